@@ -1,0 +1,70 @@
+"""Count backward passes without asking the user for anything.
+
+A post-accumulate-grad hook on every trainable parameter queues one callback on the autograd
+engine the first time any of them receives a gradient in a backward pass; the engine runs that
+callback once, when the whole backward pass has finished (the mechanism DDP and FSDP use to
+finalise gradient reduction). So ``loss.backward()`` needs no change in user code, and
+``torch.autograd.grad`` (which accumulates nothing) is not counted.
+
+The hooks hold the owner weakly and are removed when the owner is garbage collected, so an
+optimizer wrapper that is dropped stops counting at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+
+class BackwardCounter:
+    """Call ``on_end()`` once at the end of each backward pass that reaches a watched parameter.
+
+    Args:
+        on_end: called with no arguments from the autograd engine's final callback, after every
+            gradient of the backward pass has been accumulated into ``.grad``. An exception it
+            raises propagates out of ``loss.backward()``.
+
+    Caveat:
+        Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
+        runs nested backward passes, each of which would be counted; use ``use_reentrant=False``
+        (torch's recommended setting).
+    """
+
+    def __init__(self, on_end: Callable[[], None]) -> None:
+        self._on_end = on_end
+        self._queued_in = -1  # id of the graph task whose end callback is queued
+        self._handles: list[RemovableHandle] = []
+        self._watched: set[int] = set()
+
+    def watch(self, params: Iterable[Tensor]) -> None:
+        """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
+        ref = weakref.ref(self)
+
+        def hook(_: Tensor) -> None:
+            counter = ref()
+            # Keyed by graph task: a backward pass that died (say, out of memory) never runs
+            # its callback, and must not stop the next one from being counted.
+            task = torch._C._current_graph_task_id()
+            if counter is not None and counter._queued_in != task:
+                counter._queued_in = task
+                Variable._execution_engine.queue_callback(counter._fire)
+
+        for p in params:
+            if p.requires_grad and id(p) not in self._watched:
+                self._watched.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def _fire(self) -> None:
+        self._on_end()
+
+    def remove(self) -> None:
+        """Remove every hook; the counter then sees no more backward passes."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._watched.clear()

@@ -1,0 +1,127 @@
+"""Argument validation for accumopt's public entry points.
+
+Every message follows one template: ``<api>: <arg>=<value!r> <what is wrong>; expected
+<constraint>. <what to do>``. Validation always runs before any state changes, so a rejected call
+loses nothing that was already accumulated.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError."""
+    from accumopt.accumulate import AccumulatingOptimizer
+
+    if isinstance(optimizer, AccumulatingOptimizer):
+        raise TypeError(
+            "Accumulate: optimizer is already an AccumulatingOptimizer; expected a plain "
+            "torch.optim.Optimizer. Wrap the inner optimizer once and set every= on that wrapper."
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Accumulate: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__qualname__}; expected e.g. torch.optim.AdamW(model.parameters()). "
+            "Wrap the optimizer, not a model, a scheduler or a parameter list."
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "Accumulate: LBFGS re-evaluates the loss through a closure several times per step, "
+            "which cannot be spread over micro-batches; expected an optimizer whose step() needs "
+            "no closure. Compute the full-batch loss inside the LBFGS closure instead (for "
+            "example with accumopt's micro-batch loop inside the closure)."
+        )
+    return optimizer
+
+
+def check_window(every: object, every_items: object) -> tuple[int | None, float | None]:
+    """Validate the two window arguments; exactly one must be given."""
+    if (every is None) == (every_items is None):
+        raise ValueError(
+            f"Accumulate: got every={every!r} and every_items={every_items!r}; expected exactly "
+            "one of them: every=N (backward passes per update) or every_items=T (items, e.g. "
+            "samples or tokens, per update)."
+        )
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+            raise ValueError(
+                f"Accumulate: every={every!r} is not a positive int; expected the number of "
+                "backward passes (micro-steps) per update, >= 1 (every=1 means no accumulation)."
+            )
+        return int(every), None
+    if (
+        isinstance(every_items, bool)
+        or not isinstance(every_items, numbers.Real)
+        or not math.isfinite(float(every_items))
+        or every_items <= 0
+    ):
+        raise ValueError(
+            f"Accumulate: every_items={every_items!r} is not a positive finite number; expected "
+            "the number of items (samples or tokens) per update, e.g. every_items=4096."
+        )
+    return None, float(every_items)
+
+
+def check_reduction(reduction: object) -> str:
+    """Validate ``reduction`` ("mean" or "sum")."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"Accumulate: reduction={reduction!r} is not supported; expected 'mean' (the update "
+            "of the window's mean loss) or 'sum' (summed gradients, no division)."
+        )
+    return str(reduction)
+
+
+def check_max_grad_norm(max_grad_norm: object) -> float | None:
+    """Validate ``max_grad_norm`` (None, or a positive finite number)."""
+    if max_grad_norm is None:
+        return None
+    if (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, numbers.Real)
+        or not math.isfinite(float(max_grad_norm))
+        or max_grad_norm <= 0
+    ):
+        raise ValueError(
+            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive finite number; "
+            "expected None (no clipping) or the largest total 2-norm of the window's gradient."
+        )
+    return float(max_grad_norm)
+
+
+def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
+    """Validate ``scaler`` (None, or a ``torch.amp.GradScaler``)."""
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"Accumulate: scaler must be a torch.amp.GradScaler or None, got "
+            f"{type(scaler).__qualname__}; pass the GradScaler your loop calls scaler.step() on."
+        )
+    return scaler
+
+
+def check_items(items: object) -> float | None:
+    """Validate a micro-batch's item count; tensors are read once (one host sync)."""
+    if items is None:
+        return None
+    if isinstance(items, torch.Tensor):
+        if items.numel() != 1 or items.is_complex():
+            raise ValueError(
+                f"Accumulate.backward: items is a tensor of shape {tuple(items.shape)} and dtype "
+                f"{items.dtype}; expected a single real number (e.g. mask.sum())."
+            )
+        items = items.item()
+    if (
+        isinstance(items, bool)
+        or not isinstance(items, numbers.Real)
+        or not math.isfinite(float(items))
+        or items < 0
+    ):
+        raise ValueError(
+            f"Accumulate.backward: items={items!r} is not a finite number >= 0; expected the "
+            "number of items (samples or tokens) that the summed loss covers."
+        )
+    return float(items)

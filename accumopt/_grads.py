@@ -1,0 +1,72 @@
+"""In-place arithmetic on gradients, batched with ``torch._foreach_*`` where torch allows it.
+
+Private helpers shared by the accumulation logic. Dense gradients go through one
+``torch._foreach_*`` call per operation (torch groups them by device and dtype internally);
+sparse gradients, which the foreach kernels do not take, are handled one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+def params_of(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
+    """All parameters of ``param_groups``, in state-dict order (group by group)."""
+    return [p for group in param_groups for p in group["params"]]  # type: ignore[attr-defined]
+
+
+def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
+    """The ``.grad`` tensors that exist, in parameter order."""
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    dense = [g for g in grads if not g.is_sparse]
+    sparse = [g for g in grads if g.is_sparse] if len(dense) != len(grads) else []
+    return dense, sparse
+
+
+@torch.no_grad()
+def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
+    """Divide every gradient in place by ``divisor`` (a Python number or a 0-dim tensor)."""
+    dense, sparse = _split_sparse(grads)
+    if dense:
+        torch._foreach_div_(dense, divisor)
+    for g in sparse:
+        g.div_(divisor)
+
+
+@torch.no_grad()
+def mul_(grads: list[Tensor], factor: Tensor) -> None:
+    """Multiply every gradient in place by the 0-dim tensor ``factor`` (no host sync)."""
+    dense, sparse = _split_sparse(grads)
+    if dense:
+        torch._foreach_mul_(dense, factor)
+    for g in sparse:
+        g.mul_(factor)
+
+
+@torch.no_grad()
+def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
+    """Divide every gradient in place by the loss scale and report inf/NaN, without a host sync.
+
+    Args:
+        grads: gradient tensors (dense or sparse), any devices and floating dtypes.
+        scale: 0-dim float32 tensor, the loss scale the gradients were computed under.
+
+    Returns:
+        A 0-dim float32 tensor on ``scale.device``, > 0 when any gradient held an inf or NaN.
+    """
+    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+    inv_scale = scale.double().reciprocal().float()
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g._values() if g.is_sparse else g)
+    for (device, _), tensors in groups.items():
+        local_inf = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, local_inf, inv_scale.to(device))
+        found_inf += local_inf.to(scale.device)
+    return found_inf

@@ -1,0 +1,567 @@
+"""Gradient accumulation as an optimizer wrapper: ``Accumulate(optimizer, every=N)``.
+
+The wrapper counts backward passes itself, lets gradients accumulate in ``.grad`` (no copy, no
+extra memory), and at the accumulation boundary divides the accumulated sum once: by the number
+of backward passes (mean of the micro-batch losses), by the total item count handed to
+:meth:`AccumulatingOptimizer.backward` (exact per-sample / per-token mean, no look-ahead), or not
+at all (``reduction="sum"``). Only then does the inner optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from accumopt import _checks, _grads
+from accumopt._backward_counter import BackwardCounter
+
+_STATE_KEY = "accumopt"
+
+
+class AccumulatingOptimizer(torch.optim.Optimizer):
+    """Wrap any ``torch.optim.Optimizer`` so that it steps once per window of micro-batches.
+
+    The training loop keeps its usual shape::
+
+        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
+        for x, y in loader:                      # micro-batches
+            F.cross_entropy(model(x), y).backward()
+            opt.step()        # the inner optimizer steps on every 8th backward pass only
+            if opt.did_update:
+                scheduler.step()
+            opt.zero_grad()   # clears .grad only after a real step
+
+    **Counting.** Every backward pass that accumulates a gradient into one of the wrapped
+    parameters is one *micro-step* (counted by post-accumulate-grad hooks and an end-of-backward
+    callback; ``torch.autograd.grad`` is not counted). The window closes at the end of the
+    backward pass that completes it, and ``.grad`` then already holds the window's gradient
+    (the mean, see below), so code that inspects or clips gradients before :meth:`step` sees
+    what it would see without accumulation; :attr:`will_update` tells whether the next
+    :meth:`step` really steps.
+
+    **Averaging.** With plain ``loss.backward()`` of a per-micro-batch *mean* loss, the window's
+    gradient is the mean over its micro-steps (equal to the full-batch gradient when the
+    micro-batches have equal size). With ``opt.backward(loss_sum, items=n)`` the window's
+    gradient is the accumulated sum divided by the total item count of the window, computed
+    once at the boundary: exact for ragged batches and variable-length sequences, without
+    prefetching the window. ``reduction="sum"`` keeps the plain sum. A weighted window whose
+    total item count is 0 changes nothing: no inner step, no NaN, gradients cleared.
+
+    **Hooks.** Step hooks registered on the wrapper run on every micro-step; hooks on
+    ``opt.optimizer`` run once per real update; global optimizer hooks see both.
+
+    **AMP.** Pass the ``GradScaler`` (``scaler=``) and keep torch's loop,
+    ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``, on every micro-step.
+    Each micro-step's gradient is unscaled with the scale it was computed under and added to
+    a window buffer, so a loss-scale change inside the window cannot mix scales; the window is
+    skipped when any of its micro-steps had an inf/NaN. At the boundary ``.grad`` holds the
+    window mean multiplied by the current loss scale, exactly what ``scaler.unscale_(opt)``
+    expects. Gating ``scaler.step``/``scaler.update`` on the boundary (PyTorch's AMP recipe)
+    works too.
+
+    Args:
+        optimizer: the inner optimizer; any ``torch.optim.Optimizer`` except closure-driven ones
+            (LBFGS). The wrapper shares its ``param_groups``, ``state`` and ``defaults``
+            objects, so LR schedulers, ``clip_grad_norm_`` and checkpoints work unchanged.
+        every: backward passes (micro-steps) per update, an int >= 1.
+        every_items: alternatively, items (samples or tokens, as passed to :meth:`backward`) per
+            update; the window closes at the first micro-step whose running total reaches it,
+            so a micro-batch size that changes during training keeps the effective batch.
+            Exactly one of ``every`` and ``every_items`` is given.
+        reduction: ``"mean"`` (default) or ``"sum"`` (padertorch's summed gradients).
+        max_grad_norm: if set, ``torch.nn.utils.clip_grad_norm_`` is applied to the window's
+            (unscaled) gradient once, right before the inner step.
+        scaler: the ``torch.amp.GradScaler`` that the loop calls ``scaler.step(opt)`` with.
+
+    Attributes:
+        optimizer: the inner optimizer.
+        micro_step (int): backward passes counted in the open window.
+        items (float): items counted in the open window (0.0 for unweighted windows).
+        updates (int): inner optimizer steps applied so far.
+        did_update (bool): whether the last :meth:`step` or :meth:`flush` applied an update.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already wrapped, or is
+            LBFGS; ``scaler`` is not a ``GradScaler``.
+        ValueError: ``every``/``every_items`` both or neither given, or not positive;
+            ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite.
+
+    References:
+        Gradient accumulation with a window of micro-steps follows optax ``MultiSteps``;
+        per-token normalisation after the fact follows Megatron-LM's
+        ``calculate_per_token_loss``; AMP ordering follows PyTorch's AMP examples
+        ("Gradient accumulation").
+    """
+
+    # GradScaler.step() hands us grad_scale and found_inf instead of unscaling and deciding
+    # on its own, so each micro-step can be folded in at the scale it was computed under.
+    _step_supports_amp_scaling = True
+
+    micro_step: int
+    items: float
+    _weighted: bool | None
+    _closed: bool
+    _buffer: dict[Tensor, Tensor]
+    _found_inf: Tensor | None
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        every: int | None = None,
+        *,
+        every_items: float | None = None,
+        reduction: str = "mean",
+        max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        inner = _checks.check_optimizer(optimizer)
+        self.every, self.every_items = _checks.check_window(every, every_items)
+        self.reduction = _checks.check_reduction(reduction)
+        self.max_grad_norm = _checks.check_max_grad_norm(max_grad_norm)
+        self.scaler = _checks.check_scaler(scaler)
+        # Base init on throw-away copies of the groups: it builds the hook registries and the
+        # profiling wrapper of step(), without touching the inner optimizer. Then share the
+        # inner's containers by identity (schedulers and GradScaler read and write them).
+        super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
+        self.optimizer = inner
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.defaults = inner.defaults
+        self.updates = 0
+        self.did_update = False
+        self._reset_window()
+        self._stepped = True  # no backward pass waits for a step()
+        self._pending_items: float | None = None
+        self._counter = BackwardCounter(self._on_backward_end)
+        self._counter.watch(_grads.params_of(self.param_groups))
+
+    # ------------------------------------------------------------------ public properties
+
+    @property
+    def will_update(self) -> bool:
+        """True once the window is complete: the next :meth:`step` applies the update.
+
+        It becomes True at the end of the backward pass that closes the window, so code
+        between that backward and ``step()`` (logging, clipping) can test it. Under AMP the
+        update is still skipped if the window saw an inf/NaN gradient (see :attr:`did_update`).
+        """
+        return self._closed
+
+    # ------------------------------------------------------------------ accumulation
+
+    def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
+        """Run ``loss.backward(**kwargs)`` as one micro-step, optionally weighted by ``items``.
+
+        Args:
+            loss: scalar tensor. With ``items``, the *sum* of the per-item losses of the
+                micro-batch (``reduction="sum"`` in the loss function); the window's gradient
+                is then the accumulated sum divided by the window's total ``items``. Without
+                ``items``, the same as ``loss.backward()``. Under AMP pass
+                ``scaler.scale(loss)``.
+            items: how many items (samples, or tokens that carry a loss) ``loss`` covers: a
+                Python number or a one-element tensor (read once, one host sync; pass a
+                Python number to avoid it). May be 0.
+            **kwargs: forwarded to ``Tensor.backward`` (``retain_graph``, ``inputs``...).
+
+        Raises:
+            ValueError: ``items`` negative, non-finite, not a number; a window mixes weighted
+                and unweighted micro-steps; an ``every_items`` window gets no ``items``.
+            RuntimeError: the window is complete and :meth:`step` has not been called yet.
+            In every case nothing has been accumulated by the rejected call.
+        """
+        weight = _checks.check_items(items)
+        try:
+            self._check_micro_step_kind(weighted=weight is not None)
+        except (RuntimeError, ValueError) as err:
+            raise type(err)(f"{err} Nothing was accumulated by this call.") from None
+        self._pending_items = weight
+        try:
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            if self._pending_items is not None:
+                # The loss reached no wrapped parameter (e.g. a micro-batch without items that
+                # carry a loss): its items still count, its gradient is zero.
+                self._on_backward_end()
+        finally:
+            self._pending_items = None
+
+    def _check_micro_step_kind(self, weighted: bool) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"Accumulate: the window closed after {self.micro_step} micro-steps and step() "
+                "has not been called since; expected step() after every backward pass (call "
+                "opt.step() before the next backward)."
+            )
+        if self.every_items is not None and not weighted:
+            raise ValueError(
+                f"Accumulate: this wrapper closes its window every {self.every_items:g} items, "
+                "but a backward pass came without an item count; expected "
+                "opt.backward(loss_sum, items=n) for every micro-batch."
+            )
+        if self.micro_step and weighted != self._weighted:
+            kinds = ("weighted (opt.backward(loss, items=n))", "unweighted (plain backward)")
+            first, now = (kinds[0], kinds[1]) if self._weighted else (kinds[1], kinds[0])
+            raise ValueError(
+                f"Accumulate: the open window's {self.micro_step} micro-steps are {first}, this "
+                f"one is {now}; expected one kind per window, since their gradients are "
+                "normalised differently. Use one kind throughout (or flush() the window first)."
+            )
+
+    def _on_backward_end(self) -> None:
+        """End-of-backward callback: count the micro-step; close the window when it is full."""
+        items, self._pending_items = self._pending_items, None
+        weighted = items is not None
+        try:
+            self._check_micro_step_kind(weighted)
+        except (RuntimeError, ValueError) as err:
+            raise type(err)(
+                f"{err} This backward pass did not go through opt.backward(), so it could not "
+                "be refused before its gradient was added to .grad: call opt.discard() to drop "
+                "the window, then fix the loop."
+            ) from None
+        self._weighted = weighted
+        self.micro_step += 1
+        if items is not None:
+            self.items += items
+        self._stepped = False
+        if (self.every is not None and self.micro_step >= self.every) or (
+            self.every_items is not None and self.items >= self.every_items
+        ):
+            self._close_window()
+
+    def _close_window(self) -> None:
+        """Turn the accumulated sum in ``.grad`` into the window's gradient, in place."""
+        self._closed = True
+        params = _grads.params_of(self.param_groups)
+        if self._buffer:
+            self._merge_buffer(params)
+        divisor = self._divisor()
+        if divisor is not None and divisor != 1:
+            _grads.div_(_grads.grads_of(params), divisor)
+
+    def _divisor(self) -> float | None:
+        """What the accumulated sum is divided by; None for an empty weighted window."""
+        if self.reduction == "sum":
+            return 1.0
+        if self._weighted:
+            return self.items if self.items > 0 else None
+        return float(self.micro_step)
+
+    # ------------------------------------------------------------------ AMP folding
+
+    def _loss_scale(self) -> Tensor | None:
+        """The scaler's current loss scale as a tensor (no host sync), or None without AMP."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return self.scaler._get_scale_async()
+
+    @torch.no_grad()
+    def _fold(self, grad_scale: Tensor | None) -> None:
+        """Move this micro-step's ``.grad`` into the window buffer, unscaled (AMP only)."""
+        params = [p for p in _grads.params_of(self.param_groups) if p.grad is not None]
+        grads = [p.grad for p in params]
+        if grad_scale is not None:
+            _grads.div_(grads, grad_scale)  # type: ignore[arg-type]
+        for p in params:
+            held = self._buffer.get(p)
+            if held is None:
+                self._buffer[p] = p.grad  # type: ignore[assignment]
+            else:
+                held.add_(p.grad)  # type: ignore[arg-type]
+            p.grad = None
+
+    @torch.no_grad()
+    def _merge_buffer(self, params: list[Tensor]) -> None:
+        """Add the (unscaled) buffer into ``.grad`` at the current loss scale, then empty it."""
+        scale = self._loss_scale()
+        for p in params:
+            held = self._buffer.pop(p, None)
+            if held is None:
+                continue
+            if scale is not None:
+                held.mul_(scale.to(held.device))
+            if p.grad is None:
+                p.grad = held
+            else:
+                p.grad.add_(held)
+        self._buffer.clear()
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """Count a micro-step's ``step()``; apply the inner update if the window is complete.
+
+        Before the boundary this does nothing (under AMP it folds the micro-step's gradient
+        into the window buffer). At the boundary it clips (``max_grad_norm``), calls the inner
+        optimizer's ``step()`` and sets :attr:`did_update`; it then expects ``zero_grad()``.
+
+        Raises:
+            TypeError: a ``closure`` was passed (closures are not supported).
+            RuntimeError: no backward pass since the last ``step()``; called through a
+                ``GradScaler`` by a wrapper built without ``scaler=``; or, with an enabled
+                ``scaler=``, called at the boundary without going through ``scaler.step``.
+        """
+        if closure is not None:
+            raise TypeError(
+                "Accumulate.step: closures are not supported (the inner step runs once per "
+                "window); expected step() with no argument. Compute the loss outside and call "
+                "backward() and step() once per micro-batch."
+            )
+        amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
+        grad_scale: Tensor | None = self.__dict__.get("grad_scale")
+        if amp and self.scaler is None:
+            raise RuntimeError(
+                "Accumulate.step: called through GradScaler.step, but the wrapper was built "
+                "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
+                "each micro-step is unscaled with its own loss scale."
+            )
+        if self._stepped:
+            raise RuntimeError(
+                "Accumulate.step: no backward pass since the last step(); expected one "
+                "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
+                "step(). (Check that the loss depends on the wrapped parameters.)"
+            )
+        if self._closed and not amp and self._loss_scale() is not None:
+            raise RuntimeError(
+                "Accumulate.step: the window is complete but step() was not called through "
+                "the GradScaler given as scaler=, so the gradients are still scaled; expected "
+                "scaler.step(opt) followed by scaler.update()."
+            )
+        self._stepped = True
+        self.did_update = False
+        if amp:
+            found_inf: Tensor = self.__dict__["found_inf"]
+            self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
+        if not self._closed:
+            if amp:
+                self._fold(grad_scale)
+            return None
+        if amp and grad_scale is not None:
+            _grads.div_(_grads.grads_of(_grads.params_of(self.param_groups)), grad_scale)
+        self._finish_window()
+        return None
+
+    def _finish_window(self) -> None:
+        """Step the inner optimizer on the window's gradient (or skip it), then reset."""
+        skip = self._divisor() is None
+        if self._found_inf is not None:
+            skip = skip or bool(self._found_inf.item() > 0)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            if self.max_grad_norm is not None:
+                params = _grads.params_of(self.param_groups)
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.optimizer.step()
+            self.updates += 1
+            self.did_update = True
+        self._reset_window()
+
+    def flush(self) -> bool:
+        """Apply the open, partial window now (e.g. at epoch end), then clear the gradients.
+
+        The update is the mean over what was accumulated (divided by the micro-steps or items
+        actually seen, not by ``every``), with the same clipping and AMP handling as a full
+        window. Does nothing when no micro-step is pending.
+
+        Returns:
+            Whether an update was applied (also in :attr:`did_update`), so ``if opt.flush():
+            scheduler.step()`` keeps the schedule on real steps.
+        """
+        self.did_update = False
+        if self.micro_step == 0:
+            return False
+        if not self._closed:
+            self._close_window()
+        scale = self._loss_scale()
+        if scale is not None:
+            found = _grads.unscale_(_grads.grads_of(_grads.params_of(self.param_groups)), scale)
+            self._found_inf = found if self._found_inf is None else self._found_inf + found
+        self._finish_window()
+        self._stepped = True
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.did_update
+
+    def discard(self) -> None:
+        """Drop the open window: clear the gradients and the counters; the inner is untouched."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+        self._stepped = True
+        self.did_update = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients, but only when no window is open (right after a real step).
+
+        Inside a window this is a no-op, so calling it on every micro-step, before or after
+        the backward pass, never wipes accumulated gradients. Use :meth:`discard` to drop a
+        window on purpose.
+        """
+        if self.micro_step == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _reset_window(self) -> None:
+        self.micro_step = 0
+        self.items = 0.0
+        self._weighted = None
+        self._closed = False
+        self._buffer = {}
+        self._found_inf: Tensor | None = None
+
+    # ------------------------------------------------------------------ optimizer plumbing
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer (and count backward passes through it)."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None:  # Optimizer.__init__ filling our throw-away copies
+            super().add_param_group(param_group)
+            return
+        inner.add_param_group(param_group)
+        self._counter.watch(self.param_groups[-1]["params"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus one ``"accumopt"`` entry.
+
+        The entry holds the window settings, the update count and, mid-window, the window
+        position, item count and the accumulated gradients (by parameter index, the same
+        indexing as ``"state"``), so a run saved mid-window resumes exactly. Tensors are
+        referenced, not copied (as in ``torch.optim``): ``copy.deepcopy`` or ``torch.save``
+        the dict before training on. A bare ``torch.optim`` optimizer loads it too (the extra
+        entry is ignored).
+        """
+        state = self.optimizer.state_dict()
+        params = _grads.params_of(self.param_groups)
+        window = None
+        if self.micro_step:
+            window = {
+                "micro_step": self.micro_step,
+                "items": self.items,
+                "weighted": self._weighted,
+                "closed": self._closed,
+                "stepped": self._stepped,
+                "grads": {i: p.grad for i, p in enumerate(params) if p.grad is not None},
+                "buffer": {i: self._buffer[p] for i, p in enumerate(params) if p in self._buffer},
+                "found_inf": self._found_inf,
+            }
+        state[_STATE_KEY] = {
+            "version": 1,
+            "every": self.every,
+            "every_items": self.every_items,
+            "reduction": self.reduction,
+            "updates": self.updates,
+            "window": window,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`, or a bare inner-optimizer state dict.
+
+        A bare state dict (no ``"accumopt"`` entry) loads into the inner optimizer and starts
+        a fresh window. A mid-window state dict also restores the accumulated gradients into
+        ``.grad`` (copied, on each parameter's device and dtype) and the window position.
+
+        Raises:
+            ValueError: the state dict holds an open window but was saved with different
+                window settings (``every``, ``every_items``, ``reduction``) or a different
+                number of parameters. Nothing is changed then.
+        """
+        extra = state_dict.get(_STATE_KEY)
+        params = _grads.params_of(self.param_groups)
+        window = extra.get("window") if extra else None
+        if extra is not None and window is not None:
+            saved = (extra["every"], extra["every_items"], extra["reduction"])
+            ours = (self.every, self.every_items, self.reduction)
+            if saved != ours:
+                raise ValueError(
+                    f"Accumulate.load_state_dict: the checkpoint holds an open window saved with "
+                    f"(every, every_items, reduction)={saved!r}, this wrapper has {ours!r}; "
+                    "expected the same settings to resume mid-window. Rebuild the wrapper with "
+                    "the saved settings, or save at an accumulation boundary."
+                )
+            indices = list(window["grads"]) + list(window["buffer"])
+            if indices and max(indices) >= len(params):
+                raise ValueError(
+                    f"Accumulate.load_state_dict: the checkpoint's window holds a gradient for "
+                    f"parameter {max(indices)}, but the optimizer has {len(params)} parameters; "
+                    "expected the same model and parameter groups as when it was saved."
+                )
+        inner_state = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
+        self.optimizer.load_state_dict(inner_state)
+        if self.micro_step:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+        self._stepped = True
+        self.updates = int(extra["updates"]) if extra else 0
+        if window is None:
+            return
+        self.micro_step = int(window["micro_step"])
+        self.items = float(window["items"])
+        self._weighted = window["weighted"]
+        self._closed = bool(window["closed"])
+        self._stepped = bool(window["stepped"])
+        with torch.no_grad():
+            for i, g in window["grads"].items():
+                params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
+            for i, b in window["buffer"].items():
+                self._buffer[params[i]] = b.to(device=params[i].device, copy=True)
+        found = window["found_inf"]
+        self._found_inf = None if found is None else found.clone()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A whitelist: an LR scheduler patches ``step`` on the instance with a closure over a
+        # weakref, which must neither be pickled nor shared by a deep copy.
+        params = _grads.params_of(self.param_groups)
+        return {
+            "optimizer": self.optimizer,
+            "every": self.every,
+            "every_items": self.every_items,
+            "reduction": self.reduction,
+            "max_grad_norm": self.max_grad_norm,
+            "scaler": self.scaler,
+            "updates": self.updates,
+            "did_update": self.did_update,
+            "window": (
+                self.micro_step,
+                self.items,
+                self._weighted,
+                self._closed,
+                self._stepped,
+                [p.grad for p in params] if self.micro_step else None,
+                self._buffer,
+                self._found_inf,
+            ),
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        AccumulatingOptimizer.__init__(
+            self,
+            state["optimizer"],
+            state["every"],
+            every_items=state["every_items"],
+            reduction=state["reduction"],
+            max_grad_norm=state["max_grad_norm"],
+            scaler=state["scaler"],
+        )
+        self.updates = state["updates"]
+        self.did_update = state["did_update"]
+        (
+            self.micro_step,
+            self.items,
+            self._weighted,
+            self._closed,
+            self._stepped,
+            grads,
+            self._buffer,
+            self._found_inf,
+        ) = state["window"]
+        if grads is not None:
+            for p, g in zip(_grads.params_of(self.param_groups), grads):
+                p.grad = g
+
+    def __repr__(self) -> str:
+        window = f"every={self.every}" if self.every else f"every_items={self.every_items:g}"
+        return f"Accumulate({window}, reduction={self.reduction!r}, optimizer={self.optimizer!r})"
+
+
+Accumulate = AccumulatingOptimizer
+"""Short public name of :class:`AccumulatingOptimizer`."""

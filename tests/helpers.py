@@ -1,0 +1,66 @@
+"""Test helpers: float64 twin models, optimizer factories, and the full-batch reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+OptFactory = Callable[[list[nn.Parameter] | list[dict[str, object]]], torch.optim.Optimizer]
+
+OPTIMIZERS: dict[str, OptFactory] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd_momentum_nesterov_wd": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01
+    ),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+}
+
+
+def mlp(seed: int, n_in: int = 4, hidden: int = 6, n_out: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
+
+
+def twins(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Two identical copies: one for the reference loop, one for accumopt."""
+    return copy.deepcopy(model), copy.deepcopy(model)
+
+
+def data(seed: int, n: int, n_in: int = 4, n_out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(n, n_in, generator=g), torch.randn(n, n_out, generator=g)
+
+
+def mse_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y, reduction="sum")
+
+
+def full_batch_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """The reference: one plain step on the mean loss of the whole window."""
+    opt.zero_grad()
+    (mse_sum(model, x, y) / len(x)).backward()
+    opt.step()
+
+
+def split_sizes(x: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    return list(x.split(list(sizes)))
+
+
+def assert_same_params(
+    a: nn.Module, b: nn.Module, rtol: float = 1e-10, atol: float = 1e-12
+) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))

@@ -1,0 +1,203 @@
+"""Point 8 (AMP): torch's GradScaler loop on every micro-step equals the non-accumulated loop.
+
+``torch.amp.GradScaler("cpu")`` is enabled on CPU, so the whole scaler contract (per-micro-step
+``scaler.step``/``update``, inf/NaN skipping, scale growth and backoff) runs here in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_same_params, data, full_batch_step, mlp, mse_sum, twins
+from torch import nn
+
+from accumopt import Accumulate, AccumulatingOptimizer
+
+OPTS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+}
+
+
+def scaler(growth_interval: int = 1) -> torch.amp.GradScaler:
+    # growth_interval=1 doubles the scale after every clean micro-step: the scale changes
+    # inside every window, the trap that per-micro-step scaler.update() sets.
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=growth_interval)
+
+
+def amp_window(
+    acc: AccumulatingOptimizer,
+    sc: torch.amp.GradScaler,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sizes: list[int],
+    poison: int | None = None,
+) -> list[float]:
+    scales = []
+    for i, (xb, yb) in enumerate(zip(x.split(sizes), y.split(sizes))):
+        loss = mse_sum(model, xb, yb)
+        if i == poison:
+            loss = loss * float("inf")
+        acc.backward(sc.scale(loss), items=len(xb))
+        sc.step(acc)
+        sc.update()
+        acc.zero_grad()
+        scales.append(sc.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTS))
+def test_8_amp_scale_change_inside_window_is_exact(opt_name: str) -> None:
+    ref, model = twins(mlp(30))
+    ref_opt = OPTS[opt_name](list(ref.parameters()))
+    sc = scaler()
+    acc = Accumulate(OPTS[opt_name](list(model.parameters())), every=4, scaler=sc)
+    for w in range(3):
+        x, y = data(300 + w, 10)
+        full_batch_step(ref, ref_opt, x, y)
+        scales = amp_window(acc, sc, model, x, y, [3, 1, 4, 2])
+        assert len(set(scales)) == 4  # the scale changed at every micro-step of the window
+        assert acc.did_update
+        assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("poison", [0, 1, 3])  # first, middle, last micro-step
+def test_8_amp_inf_skips_the_window_then_training_resumes(poison: int) -> None:
+    ref, model = twins(mlp(31))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    sc = scaler(growth_interval=1000)
+    acc = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.01), every=4, scaler=sc)
+    x, y = data(31, 8)
+    before = copy.deepcopy(model)
+    scales = amp_window(acc, sc, model, x, y, [2, 2, 2, 2], poison=poison)
+    assert not acc.did_update and acc.updates == 0 and acc.micro_step == 0
+    assert_same_params(model, before, rtol=0, atol=0)
+    assert scales[poison] == 2.0**7  # backed off on the bad micro-step
+    assert all(p.grad is None for p in model.parameters())
+    x2, y2 = data(32, 8)
+    full_batch_step(ref, ref_opt, x2, y2)
+    amp_window(acc, sc, model, x2, y2, [2, 2, 2, 2])
+    assert acc.did_update and acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_8_amp_gated_pattern_of_the_pytorch_amp_notes() -> None:
+    """scaler.step/update only at the boundary (PyTorch's AMP recipe) is exact too."""
+    ref, model = twins(mlp(33))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    for w in range(2):
+        x, y = data(330 + w, 6)
+        full_batch_step(ref, ref_opt, x, y)
+        for xb, yb in zip(x.split(2), y.split(2)):
+            sc.scale(mse_sum(model, xb, yb) / 2).backward()
+            if acc.will_update:
+                sc.step(acc)
+                sc.update()
+                acc.zero_grad()
+        assert acc.did_update
+        assert_same_params(model, ref)
+
+
+def test_8_amp_user_unscale_and_clip_at_boundary_sees_window_gradient() -> None:
+    ref, model = twins(mlp(34))
+    x, y = data(34, 8)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (mse_sum(ref, x, y) / 8).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=4, scaler=sc)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        acc.backward(sc.scale(mse_sum(model, xb, yb)), items=2)
+        if acc.will_update:
+            sc.unscale_(acc)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.testing.assert_close(norm, ref_norm)
+        sc.step(acc)
+        sc.update()
+        acc.zero_grad()
+    assert_same_params(model, ref)
+
+
+def test_8_amp_max_grad_norm_unscales_once() -> None:
+    ref, model = twins(mlp(35))
+    x, y = data(35, 8)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (mse_sum(ref, x, y) / 8).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    sc = scaler()
+    acc = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.5), every=4, scaler=sc, max_grad_norm=0.05
+    )
+    amp_window(acc, sc, model, x, y, [2, 2, 2, 2])
+    assert_same_params(model, ref)
+
+
+def test_8_amp_flush_of_a_partial_window() -> None:
+    ref, model = twins(mlp(36))
+    x, y = data(36, 5)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc)
+    amp_window(acc, sc, model, x, y, [3, 2])
+    assert acc.flush()
+    assert_same_params(model, ref)
+
+
+def test_8_amp_checkpoint_mid_window_carries_the_buffer() -> None:
+    x, y = data(37, 8)
+    sizes = [2, 2, 2, 2]
+
+    def run(stop: int | None) -> nn.Module:
+        model = mlp(37)
+        sc = scaler()
+        acc = Accumulate(torch.optim.Adam(model.parameters(), lr=0.01), every=4, scaler=sc)
+        if stop is None:
+            amp_window(acc, sc, model, x, y, sizes)
+            return model
+        amp_window(acc, sc, model, x[: 2 * stop], y[: 2 * stop], sizes[:stop])
+        saved = copy.deepcopy(
+            {"m": model.state_dict(), "o": acc.state_dict(), "s": sc.state_dict()}
+        )
+        model2 = mlp(1)
+        sc2 = torch.amp.GradScaler("cpu")
+        acc2 = Accumulate(torch.optim.Adam(model2.parameters(), lr=0.01), every=4, scaler=sc2)
+        model2.load_state_dict(saved["m"])
+        acc2.load_state_dict(saved["o"])
+        sc2.load_state_dict(saved["s"])
+        amp_window(acc2, sc2, model2, x[2 * stop :], y[2 * stop :], sizes[stop:])
+        return model2
+
+    whole = run(None)
+    for stop in (1, 2, 3):
+        assert_same_params(run(stop), whole, rtol=0, atol=0)
+
+
+def test_8_amp_step_through_scaler_needs_scaler_argument() -> None:
+    model = mlp(38)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    x, y = data(38, 2)
+    sc.scale(mse_sum(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="scaler=scaler"):
+        sc.step(acc)
+
+
+def test_8_amp_boundary_step_outside_the_scaler_is_refused() -> None:
+    model = mlp(39)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=1, scaler=sc)
+    x, y = data(39, 2)
+    sc.scale(mse_sum(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match=r"scaler.step\(opt\)"):
+        acc.step()
+    sc.step(acc)  # nothing was lost: the proper call still applies the update
+    sc.update()
+    assert acc.did_update
