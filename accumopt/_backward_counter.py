@@ -37,22 +37,28 @@ class BackwardCounter:
 
     def __init__(self, on_end: Callable[[], None]) -> None:
         self._on_end = on_end
-        self._queued_in = -1  # id of the graph task whose end callback is queued
+        self._queued_in = [-1]  # id of the graph task whose end callback is queued
         self._handles: list[RemovableHandle] = []
         self._watched: set[int] = set()
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
+        # The hook runs once per parameter per backward pass: keep it to a task-id lookup and
+        # a comparison (the state lives in a list shared by all hooks of this counter).
         ref = weakref.ref(self)
+        queued_in = self._queued_in
+        task_id = torch._C._current_graph_task_id
+        queue = Variable._execution_engine.queue_callback
 
         def hook(_: Tensor) -> None:
-            counter = ref()
             # Keyed by graph task: a backward pass that died (say, out of memory) never runs
             # its callback, and must not stop the next one from being counted.
-            task = torch._C._current_graph_task_id()
-            if counter is not None and counter._queued_in != task:
-                counter._queued_in = task
-                Variable._execution_engine.queue_callback(counter._fire)
+            task = task_id()
+            if queued_in[0] != task:
+                counter = ref()
+                if counter is not None:
+                    queued_in[0] = task
+                    queue(counter._fire)
 
         for p in params:
             if p.requires_grad and id(p) not in self._watched:
