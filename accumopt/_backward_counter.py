@@ -66,7 +66,11 @@ class BackwardCounter:
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def _fire(self) -> None:
-        self._on_end()
+        # Queued by the first gradient of the pass, this callback would run before callbacks
+        # queued later in the same pass (DDP's reducer queues its finalisation when the last
+        # bucket is ready, and copies the reduced buckets back into .grad there). Re-queue
+        # once, so on_end runs after them and sees the final .grad.
+        Variable._execution_engine.queue_callback(self._on_end)
 
     def remove(self) -> None:
         """Remove every hook; the counter then sees no more backward passes."""

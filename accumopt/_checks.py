@@ -28,6 +28,17 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
             f"{type(optimizer).__qualname__}; expected e.g. torch.optim.AdamW(model.parameters()). "
             "Wrap the optimizer, not a model, a scheduler or a parameter list."
         )
+    lazy = [
+        i
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        if isinstance(p, torch.nn.parameter.UninitializedParameter)
+    ]
+    if lazy:
+        raise TypeError(
+            f"Accumulate: parameters {lazy} (counted from 0 over the param groups) are "
+            "uninitialized lazy parameters; expected materialized parameters. Run one forward "
+            "pass (e.g. model(example_batch)) before building the optimizer and the wrapper."
+        )
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
             "Accumulate: LBFGS re-evaluates the loss through a closure several times per step, "
@@ -101,6 +112,20 @@ def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
             f"{type(scaler).__qualname__}; pass the GradScaler your loop calls scaler.step() on."
         )
     return scaler
+
+
+def check_loss(loss: object) -> None:
+    """Validate the loss handed to ``Accumulate.backward``."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = (
+            f"tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else (type(loss).__qualname__)
+        )
+        raise TypeError(
+            f"Accumulate.backward: loss is a {what}; expected a one-element tensor that "
+            "requires grad (the micro-batch's summed loss when items= is given)."
+        )
 
 
 def check_items(items: object) -> float | None:

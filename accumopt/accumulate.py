@@ -172,6 +172,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             RuntimeError: the window is complete and :meth:`step` has not been called yet.
             In every case nothing has been accumulated by the rejected call.
         """
+        _checks.check_loss(loss)
         weight = _checks.check_items(items)
         try:
             self._check_micro_step_kind(weighted=weight is not None)
@@ -320,32 +321,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: None = None) -> None:
-        if closure is not None:
-            raise TypeError(
-                "Accumulate.step: closures are not supported (the inner step runs once per "
-                "window); expected step() with no argument. Compute the loss outside and call "
-                "backward() and step() once per micro-batch."
-            )
+        try:
+            self._check_step(closure)
+        except (TypeError, RuntimeError):
+            # GradScaler deletes these only after a step() that returns: a stale grad_scale
+            # would be multiplied into the next one.
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
-        if amp and self.scaler is None:
-            raise RuntimeError(
-                "Accumulate.step: called through GradScaler.step, but the wrapper was built "
-                "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
-                "each micro-step is unscaled with its own loss scale."
-            )
-        if self._stepped:
-            raise RuntimeError(
-                "Accumulate.step: no backward pass since the last step(); expected one "
-                "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
-                "step(). (Check that the loss depends on the wrapped parameters.)"
-            )
-        if self._closed and not amp and self._loss_scale() is not None:
-            raise RuntimeError(
-                "Accumulate.step: the window is complete but step() was not called through "
-                "the GradScaler given as scaler=, so the gradients are still scaled; expected "
-                "scaler.step(opt) followed by scaler.update()."
-            )
         self._stepped = True
         self.did_update = False
         if amp:
@@ -359,6 +344,35 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             _grads.div_(_grads.grads_of(_grads.params_of(self.param_groups)), grad_scale)
         self._finish_window()
         return None
+
+    def _check_step(self, closure: object) -> None:
+        if closure is not None:
+            raise TypeError(
+                "Accumulate.step: closures are not supported (the inner step runs once per "
+                "window); expected step() with no argument. Compute the loss outside and call "
+                "backward() and step() once per micro-batch."
+            )
+        amp = "found_inf" in self.__dict__
+        if amp and self.scaler is None:
+            raise RuntimeError(
+                "Accumulate.step: called through GradScaler.step, but the wrapper was built "
+                "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
+                "each micro-step is unscaled with its own loss scale."
+            )
+        if self._stepped:
+            raise RuntimeError(
+                "Accumulate.step: no backward pass since the last step(); expected one "
+                "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
+                "step(). (Check that the loss depends on the wrapped parameters; parameters "
+                "that were frozen when the wrapper was built are counted from the next real "
+                "zero_grad() on.)"
+            )
+        if self._closed and not amp and self._loss_scale() is not None:
+            raise RuntimeError(
+                "Accumulate.step: the window is complete but step() was not called through "
+                "the GradScaler given as scaler=, so the gradients are still scaled; expected "
+                "scaler.step(opt) followed by scaler.update()."
+            )
 
     _profiled_step = torch.optim.Optimizer.profile_hook_step(_step)
 
@@ -419,6 +433,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """
         if self.micro_step == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            # once per window: start counting parameters unfrozen since the last look
+            self._counter.watch(_grads.params_of(self.param_groups))
 
     def _reset_window(self) -> None:
         self.micro_step = 0
@@ -449,6 +465,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         the dict before training on. A bare ``torch.optim`` optimizer loads it too (the extra
         entry is ignored).
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state = self.optimizer.state_dict()
         params = _grads.params_of(self.param_groups)
         window = None
@@ -471,6 +489,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "updates": self.updates,
             "window": window,
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -485,6 +507,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 window settings (``every``, ``every_items``, ``reduction``) or a different
                 number of parameters. Nothing is changed then.
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"Accumulate.load_state_dict: got {type(state_dict).__qualname__}; expected the "
+                "dict returned by state_dict() (or by a bare torch.optim optimizer)."
+            )
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         extra = state_dict.get(_STATE_KEY)
         params = _grads.params_of(self.param_groups)
         window = extra.get("window") if extra else None
@@ -506,12 +537,21 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                     "expected the same model and parameter groups as when it was saved."
                 )
         inner_state = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
+        self.updates = int(extra["updates"]) if extra else 0
         self.optimizer.load_state_dict(inner_state)
+        # torch's load_state_dict installs new group and state containers on the inner
+        # optimizer: share the new ones (schedulers built later must reach the inner).
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self._load_window(window, params)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_window(self, window: dict[str, Any] | None, params: list[Tensor]) -> None:
         if self.micro_step:
             self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
         self._stepped = True
-        self.updates = int(extra["updates"]) if extra else 0
         if window is None:
             return
         self.micro_step = int(window["micro_step"])

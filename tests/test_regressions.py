@@ -1,0 +1,125 @@
+"""Regression tests for faults found by reviewing the wrapper adversarially (one test each)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_same_params, data, full_batch_step, mlp, mse_sum, twins
+from torch import nn
+
+from accumopt import Accumulate
+
+
+def test_scheduler_built_after_load_state_dict_reaches_the_inner_optimizer() -> None:
+    """torch's load_state_dict installs new containers on the inner: the wrapper follows."""
+    ref, model = twins(mlp(50))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    acc.load_state_dict(copy.deepcopy(acc.state_dict()))
+    assert acc.param_groups is acc.optimizer.param_groups and acc.state is acc.optimizer.state
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1, gamma=0.5)
+    for w in range(3):
+        x, y = data(500 + w, 4)
+        full_batch_step(ref, ref_opt, x, y)
+        ref_sched.step()
+        for xb, yb in zip(x.split(2), y.split(2)):
+            (mse_sum(model, xb, yb) / 2).backward()
+            acc.step()
+            if acc.did_update:
+                sched.step()
+            acc.zero_grad()
+    assert acc.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert_same_params(model, ref)
+
+
+def test_state_dict_hooks_registered_on_the_wrapper_run() -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(51).parameters(), lr=0.1), every=2)
+    calls: list[str] = []
+    acc.register_state_dict_pre_hook(lambda opt: calls.append("sd_pre"))
+    acc.register_state_dict_post_hook(lambda opt, sd: calls.append("sd_post"))
+    acc.register_load_state_dict_pre_hook(lambda opt, sd: calls.append("load_pre"))
+    acc.register_load_state_dict_post_hook(lambda opt: calls.append("load_post"))
+    acc.load_state_dict(acc.state_dict())
+    assert calls == ["sd_pre", "sd_post", "load_pre", "load_post"]
+
+
+def test_rejected_scaler_step_leaves_no_stale_loss_scale() -> None:
+    ref, model = twins(mlp(52))
+    sc = torch.amp.GradScaler("cpu", init_scale=256.0)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, scaler=sc)
+    sc.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        sc.step(acc)
+    assert "grad_scale" not in acc.__dict__ and "found_inf" not in acc.__dict__
+    sc = torch.amp.GradScaler("cpu", init_scale=256.0)
+    acc.scaler = sc
+    x, y = data(52, 4)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        sc.step(acc)
+        sc.update()
+    assert acc.did_update
+    assert_same_params(model, ref)
+
+
+def test_ddp_default_settings_keep_the_window_division(tmp_path: object) -> None:
+    """DDP copies reduced buckets into .grad in its own end-of-backward callback; the window's
+    division must come after it (one-process gloo group, default DDP settings)."""
+    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ref, model = twins(mlp(53))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        x, y = data(53, 8)
+        full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+        acc = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3)
+        for xb, yb in zip(x.split([3, 3, 2]), y.split([3, 3, 2])):
+            acc.backward(mse_sum(ddp, xb, yb), items=len(xb))
+            acc.step()
+            acc.zero_grad()
+        assert acc.updates == 1
+        assert_same_params(model, ref)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lazy_parameters_are_refused_with_a_clear_error() -> None:
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(TypeError, match="uninitialized lazy parameters"):
+        Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+
+
+@pytest.mark.parametrize("loss", [None, 3.0, torch.ones(2, requires_grad=True)])
+def test_backward_of_a_non_scalar_or_non_tensor_is_a_type_error(loss: object) -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(54).parameters(), lr=0.1), every=2)
+    with pytest.raises(TypeError, match="expected a one-element tensor"):
+        acc.backward(loss, items=1)  # type: ignore[arg-type]
+
+
+def test_load_state_dict_of_a_non_dict_is_a_type_error() -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(55).parameters(), lr=0.1), every=2)
+    with pytest.raises(TypeError, match="expected the dict returned by state_dict"):
+        acc.load_state_dict(None)  # type: ignore[arg-type]
+
+
+def test_parameters_frozen_at_construction_are_counted_after_unfreezing() -> None:
+    ref, model = twins(mlp(56))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    acc.zero_grad()  # the loop's zero_grad before the first window picks them up
+    x, y = data(56, 4)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        (mse_sum(model, xb, yb) / 2).backward()
+        acc.step()
+        acc.zero_grad()
+    assert_same_params(model, ref)
