@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len:
         parser.error("expected 1 <= --min-len <= --max-len")
-    if args.steps < 1:
-        parser.error("expected --steps >= 1")
+    if min(args.steps, args.batch_size, args.tokens_per_update, args.compare_k) < 1:
+        parser.error("expected --steps, --batch-size, --tokens-per-update, --compare-k >= 1")
     return args
 
 

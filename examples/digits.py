@@ -44,8 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and shuffling")
     args = parser.parse_args(argv)
-    if args.micro_batch < 1 or args.effective_batch % args.micro_batch:
-        parser.error("--effective-batch must be a positive multiple of --micro-batch")
+    if args.epochs < 1:
+        parser.error("expected --epochs >= 1")
+    if not 1 <= args.micro_batch <= args.effective_batch or args.effective_batch % args.micro_batch:
+        parser.error("expected --effective-batch to be a positive multiple of --micro-batch")
     return args
 
 
@@ -126,11 +128,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{args.micro_batch} x {every} = effective batch {args.effective_batch}"
     )
 
-    grad_diff, param_diff = check_first_window(model, epochs[0][:every], args.lr)
+    window = epochs[0][:every]
+    grad_diff, param_diff = check_first_window(model, window, args.lr)
     print(
-        f"first window (float64), Accumulate vs one full-batch step on {args.effective_batch} "
-        f"images: max |grad diff| = {grad_diff:.2e}, max |param diff| after AdamW = "
-        f"{param_diff:.2e}"
+        f"first window (float64), Accumulate vs one full-batch step on "
+        f"{sum(len(y) for _, y in window)} images: max |grad diff| = {grad_diff:.2e}, "
+        f"max |param diff| after AdamW = {param_diff:.2e}"
     )
 
     opt = Accumulate(make_optimizer(model, args.lr), every=every)

@@ -1,0 +1,40 @@
+"""The examples run end to end on small settings and report what they promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    torch.set_default_dtype(torch.float32)  # as a user runs them (the fixture restores it)
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_digits_first_window_matches_full_batch_and_trains() -> None:
+    out = load("digits").main(["--epochs", "3"])
+    assert out["first_window_grad_max_abs_diff"] < 1e-12
+    assert out["first_window_max_abs_diff"] < 1e-12
+    assert out["updates"] == 9
+    assert out["test_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_char_lm_token_weighting_is_exact_and_uniform_is_not() -> None:
+    out = load("char_lm").main(["--steps", "10", "--sample-len", "10"])
+    assert out["token_weighted_rel_err"] < 1e-12
+    assert out["uniform_rel_err"] > 1e-2
+    assert out["last_loss"] < out["first_loss"]
