@@ -6,8 +6,9 @@ callback once, when the whole backward pass has finished (the mechanism DDP and 
 finalise gradient reduction). So ``loss.backward()`` needs no change in user code, and
 ``torch.autograd.grad`` (which accumulates nothing) is not counted.
 
-The hooks hold the owner weakly and are removed when the owner is garbage collected, so an
-optimizer wrapper that is dropped stops counting at once.
+The hooks hold the counter weakly, the counter holds its callback weakly, and the hooks are
+removed when the counter is freed: an optimizer wrapper that is dropped (the last reference to
+it deleted or rebound) stops counting at once, without waiting for a garbage collection.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ class BackwardCounter:
     """
 
     def __init__(self, on_end: Callable[[], None]) -> None:
-        self._on_end = on_end
+        # A bound method would make owner -> counter -> owner a reference cycle, keeping a
+        # dropped owner alive (and counting) until the next garbage collection.
+        self._on_end = weakref.WeakMethod(on_end)
         self._queued_in = [-1]  # id of the graph task whose end callback is queued
         self._handles: list[RemovableHandle] = []
         self._watched: set[int] = set()
+        weakref.finalize(self, _remove_all, self._handles)
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
@@ -70,11 +74,17 @@ class BackwardCounter:
         # queued later in the same pass (DDP's reducer queues its finalisation when the last
         # bucket is ready, and copies the reduced buckets back into .grad there). Re-queue
         # once, so on_end runs after them and sees the final .grad.
-        Variable._execution_engine.queue_callback(self._on_end)
+        on_end = self._on_end()
+        if on_end is not None:
+            Variable._execution_engine.queue_callback(on_end)
 
     def remove(self) -> None:
         """Remove every hook; the counter then sees no more backward passes."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_all(self._handles)
         self._watched.clear()
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()

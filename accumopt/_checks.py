@@ -43,8 +43,8 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         raise TypeError(
             "Accumulate: LBFGS re-evaluates the loss through a closure several times per step, "
             "which cannot be spread over micro-batches; expected an optimizer whose step() needs "
-            "no closure. Compute the full-batch loss inside the LBFGS closure instead (for "
-            "example with accumopt's micro-batch loop inside the closure)."
+            "no closure. For LBFGS over a large batch, accumulate inside its closure instead "
+            "(backward each micro-batch's share of the loss there, then return the total)."
         )
     return optimizer
 

@@ -36,8 +36,13 @@ def models() -> dict[str, tuple[nn.Module, int, int]]:
         ),
         "100 parameter tensors": (nn.Sequential(*many), 16, 32),
         "compute-heavy MLP": (
-            nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                          nn.Linear(2048, 10)),
+            nn.Sequential(
+                nn.Linear(512, 2048),
+                nn.ReLU(),
+                nn.Linear(2048, 2048),
+                nn.ReLU(),
+                nn.Linear(2048, 10),
+            ),
             512,
             64,
         ),
@@ -99,8 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), k={args.k}, "
-          f"median of {args.repeats} interleaved repeats")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), k={args.k}, "
+        f"median of {args.repeats} interleaved repeats"
+    )
     print(f"{'model':42s} {'hand loop ms':>13s} {'accumopt ms':>12s} {'ratio':>7s}")
     results = {}
     for name, spec in models().items():

@@ -123,3 +123,22 @@ def test_parameters_frozen_at_construction_are_counted_after_unfreezing() -> Non
         acc.step()
         acc.zero_grad()
     assert_same_params(model, ref)
+
+
+def test_rebuilding_the_wrapper_mid_window_leaves_the_new_one_exact() -> None:
+    """Re-running `opt = Accumulate(...)` (a notebook cell) must not leave the old wrapper
+    counting and dividing the shared .grad until the next garbage collection."""
+    ref, model = twins(mlp(57))
+    x, y = data(57, 8)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    (mse_sum(model, x[:2], y[:2]) / 2).backward()
+    opt.step()
+    opt.discard()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        (mse_sum(model, xb, yb) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.updates == 1
+    assert_same_params(model, ref)
