@@ -114,6 +114,29 @@ def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
     return scaler
 
 
+def check_buffer(buffer: object) -> bool | None:
+    """Validate ``buffer`` (None, True or False)."""
+    if buffer is not None and not isinstance(buffer, bool):
+        raise ValueError(
+            f"Accumulate: buffer={buffer!r} is not supported; expected None (float32 window "
+            "buffer for bf16/fp16 parameters only), True (every parameter) or False (none)."
+        )
+    return buffer
+
+
+NONFINITE_POLICIES = (None, "skip_window", "skip_micro_batch", "raise")
+
+
+def check_nonfinite(nonfinite: object) -> str | None:
+    """Validate ``nonfinite`` (one of :data:`NONFINITE_POLICIES`)."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"Accumulate: nonfinite={nonfinite!r} is not a policy; expected one of "
+            f"{NONFINITE_POLICIES!r}."
+        )
+    return nonfinite
+
+
 def check_loss(loss: object) -> None:
     """Validate the loss handed to ``Accumulate.backward``."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -70,3 +70,12 @@ def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, local_inf, inv_scale.to(device))
         found_inf += local_inf.to(scale.device)
     return found_inf
+
+
+def all_finite(grads: list[Tensor]) -> bool:
+    """Whether every gradient is free of inf and NaN (one fused check per device and dtype,
+    as ``GradScaler`` does it, and one host sync)."""
+    if not grads:
+        return True
+    one = torch.ones((), dtype=torch.float32, device=grads[0].device)
+    return bool(unscale_(grads, one).item() == 0)

@@ -17,8 +17,11 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from accumopt import _checks, _grads
 from accumopt._backward_counter import BackwardCounter
+from accumopt._window_buffer import WindowBuffer
 
 _STATE_KEY = "accumopt"
+_PER_MICRO_BATCH = ("skip_micro_batch", "raise")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -75,10 +78,26 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         max_grad_norm: if set, ``torch.nn.utils.clip_grad_norm_`` is applied to the window's
             (unscaled) gradient once, right before the inner step.
         scaler: the ``torch.amp.GradScaler`` that the loop calls ``scaler.step(opt)`` with.
+        buffer: where finished micro-steps are summed. ``None`` (default): bf16/fp16
+            parameters are summed in a float32 window buffer (their low-precision ``.grad`` is
+            released after each micro-step), other parameters accumulate in ``.grad`` at no
+            cost. ``True``: every parameter goes through the buffer (what OOM rollback and the
+            per-micro-batch non-finite policies need; they turn it on themselves). ``False``:
+            never (low-precision sums then lose precision as the window grows). The buffer
+            costs 4 bytes per element (8 for float64 parameters) while a window is open.
+        nonfinite: what to do with a micro-batch whose gradient holds an inf or NaN.
+            ``None`` (default): nothing is checked (no cost; under AMP the ``GradScaler``
+            still skips such windows). ``"skip_window"``: check once at the boundary, skip
+            the update (as ``GradScaler`` does). ``"skip_micro_batch"``: drop that micro-batch
+            alone and do not count it or its items (optax ``skip_not_finite``, Keras'
+            ``LossScaleOptimizer``). ``"raise"``: drop it and raise ``FloatingPointError``
+            naming the micro-step. The per-micro-batch policies check every backward pass
+            (one host sync each) and use the window buffer.
 
     Attributes:
         optimizer: the inner optimizer.
         micro_step (int): backward passes counted in the open window.
+        skipped_micro_steps (int): micro-batches dropped by ``nonfinite="skip_micro_batch"``.
         items (float): items counted in the open window (0.0 for unweighted windows).
         updates (int): inner optimizer steps applied so far.
         did_update (bool): whether the last :meth:`step` or :meth:`flush` applied an update.
@@ -87,7 +106,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is already wrapped, or is
             LBFGS; ``scaler`` is not a ``GradScaler``.
         ValueError: ``every``/``every_items`` both or neither given, or not positive;
-            ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite.
+            ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite;
+            ``nonfinite`` not one of the policies; ``buffer`` not None/True/False.
 
     References:
         Gradient accumulation with a window of micro-steps follows optax ``MultiSteps``;
@@ -104,7 +124,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     items: float
     _weighted: bool | None
     _closed: bool
-    _buffer: dict[Tensor, Tensor]
     _found_inf: Tensor | None
 
     def __init__(
@@ -116,12 +135,21 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         reduction: str = "mean",
         max_grad_norm: float | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        buffer: bool | None = None,
+        nonfinite: str | None = None,
     ) -> None:
         inner = _checks.check_optimizer(optimizer)
         self.every, self.every_items = _checks.check_window(every, every_items)
         self.reduction = _checks.check_reduction(reduction)
         self.max_grad_norm = _checks.check_max_grad_norm(max_grad_norm)
         self.scaler = _checks.check_scaler(scaler)
+        self.buffer = _checks.check_buffer(buffer)
+        self.nonfinite = _checks.check_nonfinite(nonfinite)
+        if self.buffer is False and self.nonfinite in _PER_MICRO_BATCH:
+            raise ValueError(
+                f"Accumulate: nonfinite={nonfinite!r} drops single micro-batches, which needs the "
+                "window buffer, but buffer=False; expected buffer=None or True."
+            )
         # Base init on throw-away copies of the groups: it builds the hook registries and the
         # profiling wrapper of step(), without touching the inner optimizer. Then share the
         # inner's containers by identity (schedulers and GradScaler read and write them).
@@ -131,7 +159,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.state = inner.state
         self.defaults = inner.defaults
         self.updates = 0
+        self.skipped_micro_steps = 0
         self.did_update = False
+        self._buffer = WindowBuffer()
+        self._buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
+        self._drop_at_step = False
         self._reset_window()
         self._stepped = True  # no backward pass waits for a step()
         self._pending_items: float | None = None
@@ -222,25 +254,93 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "be refused before its gradient was added to .grad: call opt.discard() to drop "
                 "the window, then fix the loop."
             ) from None
+        self._stepped = False
+        if self.nonfinite in _PER_MICRO_BATCH and self._micro_step_is_nonfinite():
+            return
         self._weighted = weighted
         self.micro_step += 1
         if items is not None:
             self.items += items
-        self._stepped = False
         if (self.every is not None and self.micro_step >= self.every) or (
             self.every_items is not None and self.items >= self.every_items
         ):
             self._close_window()
+        elif self._loss_scale() is None:  # under AMP, step() folds with the micro-step's scale
+            self._buffer.fold(self._buffered_params(), None)
+
+    def _micro_step_is_nonfinite(self) -> bool:
+        """Per-micro-batch policies: drop a micro-step whose fresh gradient is not finite."""
+        grads = _grads.grads_of(_grads.params_of(self.param_groups))
+        if not grads or _grads.all_finite(grads):
+            return False
+        if self.nonfinite == "raise":
+            self.drop_micro_step()
+            raise FloatingPointError(
+                f"Accumulate: the gradient of micro-step {self.micro_step + 1} of the open window "
+                "holds an inf or NaN; it was dropped and the window is intact. Check that "
+                "micro-batch's inputs and loss, or use nonfinite='skip_micro_batch'."
+            )
+        self.skipped_micro_steps += 1
+        if self._loss_scale() is None:
+            self.drop_micro_step()
+        else:  # GradScaler.step must still see the inf to back off the scale
+            self._drop_at_step = True
+        return True
+
+    def drop_micro_step(self) -> None:
+        """Drop the gradient of the micro-step in flight, keeping every finished one.
+
+        Sets ``.grad`` to None on every parameter. Exact when the window buffer holds the
+        finished micro-steps (``buffer=True``, or after :meth:`enable_rollback`): used after an
+        out-of-memory error in a backward pass, or a non-finite micro-batch.
+
+        Raises:
+            RuntimeError: finished micro-steps still live in ``.grad`` (no buffer), so dropping
+                ``.grad`` would lose them.
+        """
+        if self.micro_step and not self._buffer_all:
+            raise RuntimeError(
+                "Accumulate.drop_micro_step: finished micro-steps of the open window live in "
+                ".grad, so the one in flight cannot be dropped alone; expected buffer=True (or "
+                "opt.enable_rollback() before the window)."
+            )
+        for p in _grads.params_of(self.param_groups):
+            p.grad = None
+        self._pending_items = None
+
+    def enable_rollback(self) -> None:
+        """Route every parameter through the window buffer from now on (``buffer=True``).
+
+        Gradients already accumulated in ``.grad`` are folded into the buffer first, so this
+        may be called mid-window, between micro-steps. Used by the micro-batch runner before
+        it retries after an out-of-memory error.
+
+        Raises:
+            RuntimeError: the wrapper was built with ``buffer=False``.
+        """
+        if self.buffer is False:
+            raise RuntimeError(
+                "Accumulate.enable_rollback: the wrapper was built with buffer=False; expected "
+                "buffer=None or True, so that a failed micro-batch can be dropped alone."
+            )
+        if not self._buffer_all:
+            self._buffer_all = True
+            if self.micro_step and not self._closed and self._loss_scale() is None:
+                self._buffer.fold(_grads.params_of(self.param_groups), None)
+
+    def _buffered_params(self) -> list[Tensor]:
+        params = _grads.params_of(self.param_groups)
+        if self._buffer_all:
+            return params
+        if self.buffer is False:
+            return []
+        return [p for p in params if p.dtype in _LOW_PRECISION]
 
     def _close_window(self) -> None:
-        """Turn the accumulated sum in ``.grad`` into the window's gradient, in place."""
+        """Turn the window's sum (buffer + ``.grad``) into its gradient, in ``.grad``."""
         self._closed = True
-        params = _grads.params_of(self.param_groups)
-        if self._buffer:
-            self._merge_buffer(params)
-        divisor = self._divisor()
-        if divisor is not None and divisor != 1:
-            _grads.div_(_grads.grads_of(params), divisor)
+        scale = self._loss_scale() if self._buffer else None
+        self._buffer.close(_grads.params_of(self.param_groups), scale, self._divisor())
 
     def _divisor(self) -> float | None:
         """What the accumulated sum is divided by; None for an empty weighted window."""
@@ -257,37 +357,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.scaler is None or not self.scaler.is_enabled():
             return None
         return self.scaler._get_scale_async()
-
-    @torch.no_grad()
-    def _fold(self, grad_scale: Tensor | None) -> None:
-        """Move this micro-step's ``.grad`` into the window buffer, unscaled (AMP only)."""
-        params = [p for p in _grads.params_of(self.param_groups) if p.grad is not None]
-        grads = [p.grad for p in params]
-        if grad_scale is not None:
-            _grads.div_(grads, grad_scale)  # type: ignore[arg-type]
-        for p in params:
-            held = self._buffer.get(p)
-            if held is None:
-                self._buffer[p] = p.grad  # type: ignore[assignment]
-            else:
-                held.add_(p.grad)  # type: ignore[arg-type]
-            p.grad = None
-
-    @torch.no_grad()
-    def _merge_buffer(self, params: list[Tensor]) -> None:
-        """Add the (unscaled) buffer into ``.grad`` at the current loss scale, then empty it."""
-        scale = self._loss_scale()
-        for p in params:
-            held = self._buffer.pop(p, None)
-            if held is None:
-                continue
-            if scale is not None:
-                held.mul_(scale.to(held.device))
-            if p.grad is None:
-                p.grad = held
-            else:
-                p.grad.add_(held)
-        self._buffer.clear()
 
     # ------------------------------------------------------------------ stepping
 
@@ -333,12 +402,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
         self._stepped = True
         self.did_update = False
+        if self._drop_at_step:  # a non-finite micro-batch, kept until GradScaler saw it
+            self._drop_at_step = False
+            self.drop_micro_step()
+            return None
         if amp:
             found_inf: Tensor = self.__dict__["found_inf"]
             self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
         if not self._closed:
             if amp:
-                self._fold(grad_scale)
+                self._buffer.fold(_grads.params_of(self.param_groups), grad_scale)
             return None
         if amp and grad_scale is not None:
             _grads.div_(_grads.grads_of(_grads.params_of(self.param_groups)), grad_scale)
@@ -381,6 +454,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         skip = self._divisor() is None
         if self._found_inf is not None:
             skip = skip or bool(self._found_inf.item() > 0)
+        elif self.nonfinite == "skip_window" and not skip:
+            skip = not _grads.all_finite(_grads.grads_of(_grads.params_of(self.param_groups)))
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -441,8 +516,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.items = 0.0
         self._weighted = None
         self._closed = False
-        self._buffer = {}
-        self._found_inf: Tensor | None = None
+        self._buffer.clear()
+        self._found_inf = None
 
     # ------------------------------------------------------------------ optimizer plumbing
 
@@ -478,7 +553,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "closed": self._closed,
                 "stepped": self._stepped,
                 "grads": {i: p.grad for i, p in enumerate(params) if p.grad is not None},
-                "buffer": {i: self._buffer[p] for i, p in enumerate(params) if p in self._buffer},
+                "buffer": {
+                    i: self._buffer.sums[p] for i, p in enumerate(params) if p in self._buffer.sums
+                },
+                "buffer_all": self._buffer_all,
                 "found_inf": self._found_inf,
             }
         state[_STATE_KEY] = {
@@ -563,7 +641,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for i, g in window["grads"].items():
                 params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
             for i, b in window["buffer"].items():
-                self._buffer[params[i]] = b.to(device=params[i].device, copy=True)
+                self._buffer.sums[params[i]] = b.to(device=params[i].device, copy=True)
+        self._buffer_all = self._buffer_all or bool(window.get("buffer_all", False))
         found = window["found_inf"]
         self._found_inf = None if found is None else found.clone()
 
@@ -578,6 +657,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "reduction": self.reduction,
             "max_grad_norm": self.max_grad_norm,
             "scaler": self.scaler,
+            "buffer": self.buffer,
+            "nonfinite": self.nonfinite,
+            "buffer_all": self._buffer_all,
+            "skipped_micro_steps": self.skipped_micro_steps,
             "updates": self.updates,
             "did_update": self.did_update,
             "window": (
@@ -601,7 +684,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             reduction=state["reduction"],
             max_grad_norm=state["max_grad_norm"],
             scaler=state["scaler"],
+            buffer=state["buffer"],
+            nonfinite=state["nonfinite"],
         )
+        self._buffer_all = state["buffer_all"]
+        self.skipped_micro_steps = state["skipped_micro_steps"]
         self.updates = state["updates"]
         self.did_update = state["did_update"]
         (
