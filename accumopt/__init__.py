@@ -1,11 +1,37 @@
-"""accumopt: exact gradient accumulation for any PyTorch optimizer.
+"""accumopt: train with batches far larger than device memory, with the exact full-batch update.
 
 Public names:
-    Accumulate / AccumulatingOptimizer: wrap a ``torch.optim.Optimizer`` so that it applies one
-        update per window of micro-batches, with the window's exact mean gradient.
+    Accumulate / AccumulatingOptimizer: wrap any ``torch.optim.Optimizer`` so that it applies
+        one update per window of micro-batches, with the window's exact mean gradient.
+    MicroBatchRunner: run one large batch as micro-batches through the wrapper; with
+        ``micro_batch_size="auto"`` find the largest one that fits and survive OOM.
+    NoMicroBatchFits: raised when not even a micro-batch of one row fits.
+    is_oom: whether an exception is an out-of-memory error, in any form torch raises it.
+    apply: a drop-in for mbp-pytorch's ``@mbp.apply`` decorator, exact and GradScaler-ready.
+    micro_split / Piece: split a nested batch into one piece per device, moved straight there.
+    parallel_backward: forward the pieces on several devices, one exactly weighted backward.
+Submodules: ``accumopt.batchnorm`` (BatchNorm warning and remedy), ``accumopt.testing``
+(simulated out-of-memory errors).
 """
 
 from accumopt.accumulate import Accumulate, AccumulatingOptimizer
+from accumopt.autosize import NoMicroBatchFits
+from accumopt.decorator import apply
+from accumopt.oom import is_oom
+from accumopt.parallel import parallel_backward
+from accumopt.runner import MicroBatchRunner
+from accumopt.split import Piece, micro_split
 
-__all__ = ["Accumulate", "AccumulatingOptimizer", "__version__"]
+__all__ = [
+    "Accumulate",
+    "AccumulatingOptimizer",
+    "MicroBatchRunner",
+    "NoMicroBatchFits",
+    "Piece",
+    "__version__",
+    "apply",
+    "is_oom",
+    "micro_split",
+    "parallel_backward",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,132 @@
+"""Find the largest micro-batch that fits, during training, from out-of-memory errors alone.
+
+The search is a bracket per input shape: the largest size that ran (``fits``) and the smallest
+that ran out of memory (``fails``). Without a failure yet it grows by doubling; without a
+success yet it halves the failing size; with both it bisects, and stops once the bracket is
+within ``tolerance`` of the size that fits. Every attempt that succeeds is a real micro-batch of
+training (nothing is wasted); only the failed attempts cost work. After ``grow_after`` clean
+micro-steps at a settled size the ceiling is raised by 25 % and probed once, so a transient
+memory squeeze does not shrink the micro-batch for good.
+
+Compared with the peers: Accelerate's ``find_executable_batch_size`` multiplies by 0.9 and
+restarts the training function; Lightning's batch-size finder searches before training
+(power or binsearch) and changes the effective batch; Composer and toma halve and never grow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("accumopt")
+
+
+class NoMicroBatchFits(RuntimeError):
+    """Raised when even a micro-batch of the smallest size runs out of memory."""
+
+
+@dataclass
+class _Bracket:
+    fits: int | None = None  # largest size that ran
+    fails: int | None = None  # smallest size that ran out of memory
+    clean: int = 0  # successes since the last size change
+
+
+@dataclass
+class MicroBatchSizer:
+    """The size-search state machine (pure Python, no torch), one bracket per shape key.
+
+    Args:
+        start: the first size tried for a shape never seen (e.g. the whole batch), >= 1.
+        tolerance: stop bisecting when ``fails - fits <= max(1, tolerance * fits)``;
+            0 searches to the exact largest size (a few more failed attempts).
+        grow_after: clean micro-steps at a settled size after which the ceiling is raised by
+            25 % and probed once; None never grows back.
+        max_size: never propose more than this (None: no cap besides the rows at hand).
+
+    Attributes:
+        ooms (int): out-of-memory errors seen (failed attempts).
+        history (list[tuple[Hashable, int, str]]): every size change as (shape key, new size,
+            reason), in order.
+        current (int | None): the size of the last attempt.
+    """
+
+    start: int
+    tolerance: float = 0.02
+    grow_after: int | None = 1000
+    max_size: int | None = None
+    ooms: int = field(default=0, init=False)
+    history: list[tuple[Hashable, int, str]] = field(default_factory=list, init=False)
+    current: int | None = field(default=None, init=False)
+    _brackets: dict[Hashable, _Bracket] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 1:
+            raise ValueError(f"MicroBatchSizer: start={self.start!r}; expected an int >= 1.")
+        if not (0 <= self.tolerance < 1):
+            raise ValueError(f"MicroBatchSizer: tolerance={self.tolerance!r}; expected 0 <= t < 1.")
+
+    def propose(self, key: Hashable, available: int) -> int:
+        """The size to try next for inputs of shape ``key`` with ``available`` rows left."""
+        b = self._brackets.setdefault(key, _Bracket())
+        if b.fits is None:
+            size = self.start if b.fails is None else max(1, b.fails // 2)
+        elif b.fails is None:
+            size = b.fits * 2
+        elif b.fails - b.fits > max(1, math.floor(self.tolerance * b.fits)):
+            size = (b.fits + b.fails) // 2
+        else:
+            size = b.fits
+        if self.max_size is not None:
+            size = min(size, self.max_size)
+        size = max(1, min(size, available))
+        if size != self.current:
+            reason = (
+                "first"
+                if self.current is None
+                else ("larger" if size > self.current else "smaller")
+            )
+            self.history.append((key, size, reason))
+            logger.info("accumopt: micro-batch size %s -> %d (shape %s)", self.current, size, key)
+        self.current = size
+        return size
+
+    def succeeded(self, key: Hashable, size: int) -> None:
+        """Record that a micro-batch of ``size`` rows ran for shape ``key``."""
+        b = self._brackets[key]
+        if b.fits is None or size > b.fits:
+            b.fits, b.clean = size, 0
+        b.clean += 1
+        settled = b.fails is not None and b.fails - b.fits <= max(
+            1, math.floor(self.tolerance * b.fits)
+        )
+        if settled and self.grow_after is not None and b.clean >= self.grow_after:
+            b.fails = max(b.fits + 1, math.ceil(1.25 * b.fails))  # type: ignore[operator]
+            b.clean = 0
+            logger.info(
+                "accumopt: %d clean micro-steps at %d; probing larger sizes",
+                self.grow_after,
+                b.fits,
+            )
+
+    def failed(self, key: Hashable, size: int) -> None:
+        """Record an out-of-memory error at ``size`` rows for shape ``key``.
+
+        Raises:
+            NoMicroBatchFits: ``size`` is 1 (nothing smaller to try).
+        """
+        self.ooms += 1
+        b = self._brackets[key]
+        b.fails = size if b.fails is None else min(b.fails, size)
+        b.clean = 0
+        if b.fits is not None and b.fits >= size:
+            b.fits = None  # memory got scarcer: a size that used to run no longer does
+        logger.warning("accumopt: out of memory at micro-batch size %d (shape %s)", size, key)
+        if size <= 1:
+            raise NoMicroBatchFits(
+                "accumopt: a micro-batch of 1 sample ran out of memory; nothing smaller fits. "
+                "Free memory (a smaller model, activation checkpointing, bf16 autocast, a "
+                "device with more memory) or shorten the inputs."
+            )

@@ -1,0 +1,249 @@
+"""Run one large batch as micro-batches through an ``Accumulate`` wrapper, surviving OOM.
+
+``MicroBatchRunner(opt, loss_fn, micro_batch_size="auto")`` takes a batch that may be far larger
+than the device holds (it may stay in host memory), cuts it into micro-batches, moves each to
+the device only when it runs, and does forward and backward per micro-batch with exact item
+weights; the wrapper decides when the optimizer really steps. With ``"auto"`` it finds the
+largest micro-batch that fits from out-of-memory errors, during training: a micro-batch that
+runs out of memory is rolled back alone (finished ones stay in the wrapper's window buffer),
+retried smaller, and no sample is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from accumopt import _tree
+from accumopt.accumulate import AccumulatingOptimizer
+from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits
+from accumopt.batchnorm import warn_small_batchnorm
+from accumopt.oom import free_memory, is_oom, memory_report
+
+LossFn = Callable[[Any], Any]
+"""``loss_fn(micro_batch)`` returns ``loss``, ``(loss, items)`` or ``(loss, items, outputs)``."""
+
+
+class MicroBatchRunner:
+    """Forward and backward a large batch in micro-batches, feeding an ``Accumulate`` wrapper.
+
+    Each call processes every row of the batch once, in order: one call can be one micro-step
+    (``micro_batch_size`` >= the batch) or a whole window (``Accumulate(..., every_items=N)``
+    with batches of N rows), or anything between; the wrapper applies the update at its
+    accumulation boundary. Under AMP the wrapper's ``scaler`` is used
+    (``scaler.scale(loss)``, ``scaler.step``, ``scaler.update`` per micro-batch).
+
+    Args:
+        optimizer: the ``Accumulate`` wrapper to feed.
+        loss_fn: called with each micro-batch (same nesting as the batch, tensors on
+            ``device``). Returns the micro-batch's loss (a scalar tensor), or ``(loss,
+            items)`` where ``items`` is the number of items the loss covers (e.g. tokens that
+            carry a loss; default: the micro-batch's rows), or ``(loss, items, outputs)``
+            with per-row ``outputs`` (a tensor or nesting of tensors, concatenated when
+            ``return_outputs=True``).
+        micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
+            ``start_size`` (default: the whole batch) and find the largest size that fits.
+        device: where micro-batches run (None: leave tensors where they are). Host tensors
+            bound for CUDA are pinned and copied with ``non_blocking=True``.
+        loss_reduction: ``"sum"`` (default): ``loss`` is the sum over the micro-batch's
+            items; ``"mean"``: ``loss`` is their mean (the runner multiplies it by ``items``).
+            Either way each micro-batch is weighted by its item count, exactly.
+        model: optional; when given, warns once if it has BatchNorm layers in training mode
+            and the micro-batch is small (see :mod:`accumopt.batchnorm`).
+        start_size, tolerance, grow_after, max_size: the ``"auto"`` search, see
+            :class:`accumopt.autosize.MicroBatchSizer`.
+
+    Raises:
+        TypeError: ``optimizer`` is not an ``AccumulatingOptimizer``.
+        ValueError: ``micro_batch_size`` is neither a positive int nor ``"auto"``;
+            ``loss_reduction`` is not "sum"/"mean".
+    """
+
+    def __init__(
+        self,
+        optimizer: AccumulatingOptimizer,
+        loss_fn: LossFn,
+        *,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        device: torch.device | str | None = None,
+        loss_reduction: Literal["sum", "mean"] = "sum",
+        model: torch.nn.Module | None = None,
+        start_size: int | None = None,
+        tolerance: float = 0.02,
+        grow_after: int | None = 1000,
+        max_size: int | None = None,
+    ) -> None:
+        if not isinstance(optimizer, AccumulatingOptimizer):
+            raise TypeError(
+                f"MicroBatchRunner: optimizer is a {type(optimizer).__qualname__}; expected an "
+                "accumopt.Accumulate wrapper (Accumulate(torch.optim.AdamW(...), every_items=N))."
+            )
+        auto = micro_batch_size == "auto"
+        if not auto and (
+            isinstance(micro_batch_size, bool)
+            or not isinstance(micro_batch_size, int)
+            or micro_batch_size < 1
+        ):
+            raise ValueError(
+                f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "
+                "or 'auto'."
+            )
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(
+                f"MicroBatchRunner: loss_reduction={loss_reduction!r}; expected 'sum' (loss_fn "
+                "returns the summed loss) or 'mean' (it returns the mean over its items)."
+            )
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = torch.device(device) if device is not None else None
+        self.loss_reduction = loss_reduction
+        self.model = model
+        self._fixed = None if auto else int(micro_batch_size)
+        self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
+        self._start = start_size
+        self.sizer: MicroBatchSizer | None = None
+        if auto:
+            optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
+
+    # ------------------------------------------------------------------ read-outs
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The size of the last micro-batch attempted (the fixed size without ``"auto"``)."""
+        return self._fixed if self.sizer is None else self.sizer.current
+
+    @property
+    def ooms(self) -> int:
+        """Out-of-memory errors recovered from so far."""
+        return 0 if self.sizer is None else self.sizer.ooms
+
+    @property
+    def history(self) -> list[tuple[Hashable, int, str]]:
+        """Every micro-batch size change: (input shape key, new size, reason)."""
+        return [] if self.sizer is None else list(self.sizer.history)
+
+    # ------------------------------------------------------------------ the loop
+
+    def __call__(self, batch: Any, *, return_outputs: bool = False) -> Any:
+        """Process every row of ``batch`` once; return the mean loss over its items.
+
+        Args:
+            batch: a tensor or nesting of tensors sharing dim 0 (any device; host memory is
+                fine), non-tensor leaves passed to every micro-batch unchanged.
+            return_outputs: also return the concatenated per-row outputs of ``loss_fn``.
+
+        Returns:
+            The batch's mean loss (0-dim tensor, detached, on the loss's device: the sum of
+            the micro-batch losses over the sum of their items), or ``(mean_loss, outputs)``.
+
+        Raises:
+            NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory
+                (the message gives the device's memory figures).
+            ValueError: the batch is empty or its tensor leaves disagree on dim 0.
+        """
+        n = _tree.batch_size(batch, "MicroBatchRunner")
+        key = shape_key(batch)
+        total_loss: Tensor | None = None
+        total_items = 0.0
+        outputs: list[Any] = []
+        offset = 0
+        while offset < n:
+            size = self._propose(key, n - offset)
+            failure = None
+            try:
+                piece = _tree.to_device(_tree.take(batch, offset, offset + size), self.device)
+                loss, items, out = self._forward_backward(piece, size)
+            except Exception as err:  # re-raised below unless it is an OOM we handle
+                if self.sizer is None or not is_oom(err):
+                    raise
+                failure = f"{type(err).__name__}: {err}"
+            if failure is not None:  # outside the except block: the traceback is gone
+                piece = None
+                self._recover(key, size, failure)
+                continue
+            if self.sizer is not None:
+                self.sizer.succeeded(key, size)
+            self._step()
+            total_loss = loss if total_loss is None else total_loss + loss
+            total_items += items
+            if return_outputs and out is not None:
+                outputs.append(out)
+            offset += size
+        assert total_loss is not None  # n >= 1
+        mean = total_loss / total_items if total_items > 0 else torch.zeros_like(total_loss)
+        if return_outputs:
+            return mean, (_tree.concat(outputs) if outputs else None)
+        return mean
+
+    def _propose(self, key: Hashable, available: int) -> int:
+        if self._fixed is not None:
+            size = min(self._fixed, available)
+        else:
+            if self.sizer is None:
+                self.sizer = MicroBatchSizer(
+                    self._start or available,
+                    tolerance=self._tolerance,
+                    grow_after=self._grow_after,
+                    max_size=self._max_size,
+                )
+            size = self.sizer.propose(key, available)
+        if self.model is not None:
+            warn_small_batchnorm(self.model, size)
+        return size
+
+    def _forward_backward(self, piece: Any, rows: int) -> tuple[Tensor, float, Any]:
+        loss, items, out = _parse(self.loss_fn(piece), rows)
+        if self.loss_reduction == "mean":
+            loss = loss * items
+        scaler = self.optimizer.scaler
+        scaled = scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss
+        self.optimizer.backward(scaled, items=items)
+        return loss.detach(), items, out
+
+    def _step(self) -> None:
+        scaler = self.optimizer.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def _recover(self, key: Hashable, size: int, failure: str) -> None:
+        """Roll back the failed micro-batch alone, free memory, shrink the next attempt."""
+        self.optimizer.drop_micro_step()
+        free_memory()
+        assert self.sizer is not None
+        try:
+            self.sizer.failed(key, size)
+        except NoMicroBatchFits as err:
+            raise NoMicroBatchFits(
+                f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
+            ) from None
+
+
+def shape_key(batch: Any) -> Hashable:
+    """What the size search remembers a ceiling for: every tensor leaf's shape past dim 0
+    and dtype (so a batch of longer sequences gets its own, smaller, ceiling)."""
+    return tuple(
+        (tuple(leaf.shape[1:]), str(leaf.dtype))
+        for _, leaf in _tree.leaf_paths(batch)
+        if isinstance(leaf, Tensor)
+    )
+
+
+def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
+    """Split ``loss_fn``'s result into (loss, items, outputs)."""
+    if isinstance(result, Tensor):
+        return result, float(rows), None
+    if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], Tensor):
+        items = result[1]
+        count = float(items.item()) if isinstance(items, Tensor) else float(items)
+        return result[0], count, (result[2] if len(result) == 3 else None)
+    raise TypeError(
+        f"MicroBatchRunner: loss_fn returned {type(result).__qualname__}; expected a scalar "
+        "loss tensor, (loss, items) or (loss, items, outputs)."
+    )
