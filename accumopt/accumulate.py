@@ -18,6 +18,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from accumopt import _checks, _grads
 from accumopt._backward_counter import BackwardCounter
 from accumopt._window_buffer import WindowBuffer
+from accumopt.distributed import GradSync
 
 _STATE_KEY = "accumopt"
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
@@ -93,6 +94,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             ``LossScaleOptimizer``). ``"raise"``: drop it and raise ``FloatingPointError``
             naming the micro-step. The per-micro-batch policies check every backward pass
             (one host sync each) and use the window buffer.
+        model: the ``DistributedDataParallel`` model, under ``torch.distributed``. Micro-steps
+            inside a window then skip DDP's all-reduce (``no_sync``), and the window's
+            gradient is the mean over the micro-steps (or items) of *all* ranks: item counts
+            are summed across ranks (one small all-reduce per weighted micro-step), so the
+            update equals single-process full-batch training on all ranks' data. With
+            ``every=N``, no buffer and no ``GradScaler``, the closing micro-step is synchronised
+            by DDP itself (overlapped with its backward); otherwise accumopt sums the window's
+            gradient once at the boundary (one flattened ``all_reduce``). Either way: one
+            gradient all-reduce per real optimizer step. Every rank must run the same
+            micro-steps (a weighted micro-step is a collective).
 
     Attributes:
         optimizer: the inner optimizer.
@@ -108,6 +119,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ValueError: ``every``/``every_items`` both or neither given, or not positive;
             ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite;
             ``nonfinite`` not one of the policies; ``buffer`` not None/True/False.
+        TypeError: ``model`` is not a ``DistributedDataParallel`` model.
 
     References:
         Gradient accumulation with a window of micro-steps follows optax ``MultiSteps``;
@@ -137,6 +149,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         scaler: torch.amp.GradScaler | None = None,
         buffer: bool | None = None,
         nonfinite: str | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         inner = _checks.check_optimizer(optimizer)
         self.every, self.every_items = _checks.check_window(every, every_items)
@@ -162,6 +175,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.skipped_micro_steps = 0
         self.did_update = False
         self._buffer = WindowBuffer()
+        self._sync = GradSync(model) if model is not None else None
+        self._synced = False  # whether DDP's reducer synchronised the last backward pass
         self._buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
         self._drop_at_step = False
         self._reset_window()
@@ -259,14 +274,20 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             return
         self._weighted = weighted
         self.micro_step += 1
+        if self._sync is not None:
+            self._synced = bool(self._sync.module.require_backward_grad_sync)
+            if items is not None:
+                items = self._sync.sum(items, self._device())
         if items is not None:
             self.items += items
         if (self.every is not None and self.micro_step >= self.every) or (
             self.every_items is not None and self.items >= self.every_items
         ):
             self._close_window()
-        elif self._loss_scale() is None:  # under AMP, step() folds with the micro-step's scale
-            self._buffer.fold(self._buffered_params(), None)
+        else:
+            if self._loss_scale() is None:  # under AMP, step() folds with its own loss scale
+                self._buffer.fold(self._buffered_params(), None)
+            self._update_sync()
 
     def _micro_step_is_nonfinite(self) -> bool:
         """Per-micro-batch policies: drop a micro-step whose fresh gradient is not finite."""
@@ -327,6 +348,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._buffer_all = True
             if self.micro_step and not self._closed and self._loss_scale() is None:
                 self._buffer.fold(_grads.params_of(self.param_groups), None)
+            self._update_sync()
 
     def _buffered_params(self) -> list[Tensor]:
         params = _grads.params_of(self.param_groups)
@@ -339,16 +361,46 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _close_window(self) -> None:
         """Turn the window's sum (buffer + ``.grad``) into its gradient, in ``.grad``."""
         self._closed = True
+        params = _grads.params_of(self.param_groups)
         scale = self._loss_scale() if self._buffer else None
-        self._buffer.close(_grads.params_of(self.param_groups), scale, self._divisor())
+        divisor = self._divisor()
+        if self._sync is None:
+            self._buffer.close(params, scale, divisor)
+        elif self._synced:  # DDP's reducer averaged the window over the ranks already
+            world = self._sync.world_size
+            self._buffer.close(params, scale, None if divisor is None else divisor / world)
+        else:  # one all-reduce of the whole window's gradient
+            self._buffer.close(params, scale, None)
+            trainable = [p for p in params if p.requires_grad]
+            for p in trainable:
+                if p.grad is None:  # every rank must reduce the same tensors
+                    p.grad = torch.zeros_like(p)
+            self._sync.sum_grads([p.grad for p in trainable])  # type: ignore[misc]
+            if divisor is not None and divisor != 1:
+                _grads.div_(_grads.grads_of(trainable), divisor)
+
+    def _update_sync(self) -> None:
+        """Under DDP, let the reducer synchronise the next backward only if it closes the
+        window and nothing of the window lives outside ``.grad``."""
+        if self._sync is None:
+            return
+        native = (
+            self.every is not None and not self._buffered_params() and self._loss_scale() is None
+        )
+        self._sync.set_sync(native and self.micro_step + 1 >= self.every)  # type: ignore[operator]
+
+    def _device(self) -> torch.device:
+        return _grads.params_of(self.param_groups)[0].device
 
     def _divisor(self) -> float | None:
-        """What the accumulated sum is divided by; None for an empty weighted window."""
+        """What the window's sum (over all ranks) is divided by; None for an empty weighted
+        window."""
         if self.reduction == "sum":
             return 1.0
         if self._weighted:
             return self.items if self.items > 0 else None
-        return float(self.micro_step)
+        world = self._sync.world_size if self._sync is not None else 1
+        return float(self.micro_step * world)
 
     # ------------------------------------------------------------------ AMP folding
 
@@ -518,6 +570,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._buffer.clear()
         self._found_inf = None
+        self._update_sync()
 
     # ------------------------------------------------------------------ optimizer plumbing
 
@@ -643,6 +696,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for i, b in window["buffer"].items():
                 self._buffer.sums[params[i]] = b.to(device=params[i].device, copy=True)
         self._buffer_all = self._buffer_all or bool(window.get("buffer_all", False))
+        self._update_sync()
         found = window["found_inf"]
         self._found_inf = None if found is None else found.clone()
 
