@@ -50,7 +50,8 @@ class MicroBatchSizer:
         ooms (int): out-of-memory errors seen (failed attempts).
         history (list[tuple[Hashable, int, str]]): every size change as (shape key, new size,
             reason), in order.
-        current (int | None): the size of the last attempt.
+        current (int | None): the size the search is at (the last micro-batch of a batch may
+            be shorter: it takes the rows that are left).
     """
 
     start: int
@@ -73,16 +74,16 @@ class MicroBatchSizer:
         b = self._brackets.setdefault(key, _Bracket())
         if b.fits is None:
             size = self.start if b.fails is None else max(1, b.fails // 2)
-        elif b.fails is None:
-            size = b.fits * 2
+        elif b.fails is None:  # grow, but never past what this batch can test
+            size = min(b.fits * 2, max(b.fits, available))
         elif b.fails - b.fits > max(1, math.floor(self.tolerance * b.fits)):
             size = (b.fits + b.fails) // 2
         else:
             size = b.fits
         if self.max_size is not None:
             size = min(size, self.max_size)
-        size = max(1, min(size, available))
-        if size != self.current:
+        size = max(1, size)
+        if size != self.current:  # a change of the search, not a short remainder of a batch
             reason = (
                 "first"
                 if self.current is None
@@ -90,8 +91,8 @@ class MicroBatchSizer:
             )
             self.history.append((key, size, reason))
             logger.info("accumopt: micro-batch size %s -> %d (shape %s)", self.current, size, key)
-        self.current = size
-        return size
+            self.current = size
+        return min(size, available)
 
     def succeeded(self, key: Hashable, size: int) -> None:
         """Record that a micro-batch of ``size`` rows ran for shape ``key``."""

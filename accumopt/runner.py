@@ -112,7 +112,8 @@ class MicroBatchRunner:
 
     @property
     def micro_batch_size(self) -> int | None:
-        """The size of the last micro-batch attempted (the fixed size without ``"auto"``)."""
+        """The micro-batch size in use: where the ``"auto"`` search stands (a batch's last
+        micro-batch may be shorter), or the fixed size."""
         return self._fixed if self.sizer is None else self.sizer.current
 
     @property

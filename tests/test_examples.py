@@ -38,3 +38,14 @@ def test_char_lm_token_weighting_is_exact_and_uniform_is_not() -> None:
     assert out["token_weighted_rel_err"] < 1e-12
     assert out["uniform_rel_err"] > 1e-2
     assert out["last_loss"] < out["first_loss"]
+
+
+@pytest.mark.slow
+def test_autosize_digits_oom_recovery_matches_unlimited_run() -> None:
+    out = load("autosize_digits").main(["--epochs", "2", "--compare-epochs", "1"])
+    assert out["max_abs_param_diff"] < 1e-12
+    assert out["compare_ooms"] == 8  # 512, 256, 128, 64, then 48, 44, 42, 41 above the limit 40
+    assert out["micro_batch_size"] == 40
+    assert out["ooms"] == 8
+    assert out["updates"] == 6  # 2 full windows + 1 flushed partial window per epoch
+    assert out["test_accuracy"] > 0.5

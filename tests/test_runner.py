@@ -272,3 +272,26 @@ def test_runner_rejects_mismatched_batch_without_losing_the_window() -> None:
     ):
         runner((x, y[:3]))
     assert acc.micro_step == 2 and acc.items == 4
+
+
+def test_short_remainder_of_a_batch_is_not_a_size_change() -> None:
+    """The last micro-batch of a batch takes the rows left: no history entry, no log line,
+    and micro_batch_size keeps reporting where the search stands."""
+    model = nn.Linear(2, 1)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10)
+    runner = MicroBatchRunner(acc, lambda b: model(b).sum())
+    with simulate_oom(model, 4):
+        for _ in range(3):
+            runner(torch.randn(10, 2))  # settles at 4: 4 + 4 + 2 rows per call
+    assert runner.micro_batch_size == 4 and runner.ooms == 2
+    assert [size for _, size, _ in runner.history] == [10, 5, 2, 3, 4]
+
+
+def test_search_does_not_grow_past_the_batch_without_failures() -> None:
+    model = nn.Linear(2, 1)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), start_size=2)
+    for _ in range(4):
+        runner(torch.randn(8, 2))
+    assert runner.micro_batch_size == 8 and runner.ooms == 0
+    assert [size for _, size, _ in runner.history] == [2, 4, 8]
