@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import Variable
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 
@@ -45,10 +47,10 @@ class BackwardCounter:
         self._watched: set[int] = set()
         weakref.finalize(self, _remove_all, self._handles)
 
-    def watch(self, params: Iterable[Tensor]) -> None:
-        """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
-        # The hook runs once per parameter per backward pass: keep it to a task-id lookup and
-        # a comparison (the state lives in a list shared by all hooks of this counter).
+    def _hook(self) -> Callable[[Tensor], None]:
+        """The hook every watched tensor gets: queue ``on_end`` once per backward pass."""
+        # It runs once per parameter per backward pass: keep it to a task-id lookup and a
+        # comparison (the state lives in a list shared by all hooks of this counter).
         ref = weakref.ref(self)
         queued_in = self._queued_in
         task_id = torch._C._current_graph_task_id
@@ -64,10 +66,31 @@ class BackwardCounter:
                     queued_in[0] = task
                     queue(counter._fire)
 
+        return hook
+
+    def watch(self, params: Iterable[Tensor]) -> None:
+        """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
+        hook = self._hook()
         for p in params:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def watch_outputs(self, module: nn.Module) -> None:
+        """Also count backward passes that reach ``module``'s outputs.
+
+        For FSDP2 models: inside a window they keep gradients unsharded and internal, so no
+        parameter's ``.grad`` is written and no post-accumulate hook fires. A forward hook
+        registers the counting hook on every output tensor that requires grad.
+        """
+        hook = self._hook()
+
+        def on_forward(_: nn.Module, __: Any, output: Any) -> None:
+            for leaf in pytree.tree_leaves(output):
+                if isinstance(leaf, Tensor) and leaf.requires_grad:
+                    leaf.register_hook(hook)  # type: ignore[no-untyped-call]
+
+        self._handles.append(module.register_forward_hook(on_forward))
 
     def _fire(self) -> None:
         # Queued by the first gradient of the pass, this callback would run before callbacks

@@ -103,7 +103,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             by DDP itself (overlapped with its backward); otherwise accumopt sums the window's
             gradient once at the boundary (one flattened ``all_reduce``). Either way: one
             gradient all-reduce per real optimizer step. Every rank must run the same
-            micro-steps (a weighted micro-step is a collective).
+            micro-steps (a weighted micro-step is a collective). An FSDP2 (``fully_shard``)
+            root module works the same way through its ``set_requires_gradient_sync``; its
+            gradients being sharded, it needs ``every=N`` (or ``every_items`` with
+            ``reduce_every_micro_step=True``) and supports neither the window buffer nor a
+            ``GradScaler``.
+        reduce_every_micro_step: synchronise every micro-step instead of the closing one
+            (FSDP2: reduce-scatter each micro-step so only the sharded sum is kept, when the
+            unsharded gradients of a window would not fit; DDP: rarely useful). Exactness is
+            the same; communication is ``every`` times higher.
 
     Attributes:
         optimizer: the inner optimizer.
@@ -150,6 +158,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         buffer: bool | None = None,
         nonfinite: str | None = None,
         model: torch.nn.Module | None = None,
+        reduce_every_micro_step: bool = False,
     ) -> None:
         inner = _checks.check_optimizer(optimizer)
         self.every, self.every_items = _checks.check_window(every, every_items)
@@ -176,14 +185,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.did_update = False
         self._buffer = WindowBuffer()
         self._sync = GradSync(model) if model is not None else None
+        self.reduce_every_micro_step = bool(reduce_every_micro_step)
         self._synced = False  # whether DDP's reducer synchronised the last backward pass
         self._buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
         self._drop_at_step = False
+        if self._sync is not None and self._sync.fsdp:
+            self._check_fsdp()
         self._reset_window()
         self._stepped = True  # no backward pass waits for a step()
         self._pending_items: float | None = None
         self._counter = BackwardCounter(self._on_backward_end)
         self._counter.watch(_grads.params_of(self.param_groups))
+        if self._sync is not None and self._sync.fsdp:
+            self._counter.watch_outputs(self._sync.module)
 
     # ------------------------------------------------------------------ public properties
 
@@ -275,7 +289,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._weighted = weighted
         self.micro_step += 1
         if self._sync is not None:
-            self._synced = bool(self._sync.module.require_backward_grad_sync)
+            self._synced = self._sync.enabled
             if items is not None:
                 items = self._sync.sum(items, self._device())
         if items is not None:
@@ -344,6 +358,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "Accumulate.enable_rollback: the wrapper was built with buffer=False; expected "
                 "buffer=None or True, so that a failed micro-batch can be dropped alone."
             )
+        if self._sync is not None and self._sync.fsdp:
+            raise RuntimeError(
+                "Accumulate.enable_rollback: the gradients of an FSDP2 model are sharded and "
+                "reduce-scattered by FSDP2 itself, so a failed micro-batch cannot be dropped "
+                "alone; expected a DDP or single-process model for OOM recovery."
+            )
         if not self._buffer_all:
             self._buffer_all = True
             if self.micro_step and not self._closed and self._loss_scale() is None:
@@ -384,10 +404,29 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window and nothing of the window lives outside ``.grad``."""
         if self._sync is None:
             return
+        if self.reduce_every_micro_step:
+            self._sync.set_sync(True)
+            return
         native = (
             self.every is not None and not self._buffered_params() and self._loss_scale() is None
         )
         self._sync.set_sync(native and self.micro_step + 1 >= self.every)  # type: ignore[operator]
+
+    def _check_fsdp(self) -> None:
+        """FSDP2 gradients are sharded: only FSDP2's own reduce-scatter can combine them."""
+        problem = None
+        if self.every is None and not self.reduce_every_micro_step:
+            problem = "every_items without reduce_every_micro_step=True (the boundary is not "
+            problem += "known before the closing micro-step's backward)"
+        elif self.scaler is not None:
+            problem = "a GradScaler"
+        elif self._buffer_all:
+            problem = "the window buffer (buffer=True or a per-micro-batch nonfinite policy)"
+        if problem is not None:
+            raise ValueError(
+                f"Accumulate: an FSDP2 model with {problem} is not supported; expected "
+                "every=N (or reduce_every_micro_step=True), no scaler and buffer=None."
+            )
 
     def _device(self) -> torch.device:
         return _grads.params_of(self.param_groups)[0].device
@@ -714,6 +753,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "buffer": self.buffer,
             "nonfinite": self.nonfinite,
             "buffer_all": self._buffer_all,
+            "model": self._sync.module if self._sync is not None else None,
+            "reduce_every_micro_step": self.reduce_every_micro_step,
             "skipped_micro_steps": self.skipped_micro_steps,
             "updates": self.updates,
             "did_update": self.did_update,
@@ -740,6 +781,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             scaler=state["scaler"],
             buffer=state["buffer"],
             nonfinite=state["nonfinite"],
+            model=state["model"],
+            reduce_every_micro_step=state["reduce_every_micro_step"],
         )
         self._buffer_all = state["buffer_all"]
         self.skipped_micro_steps = state["skipped_micro_steps"]

@@ -206,11 +206,3 @@ def test_one_all_reduce_per_real_step_vs_one_per_micro_step() -> None:
     assert hand[0][2]["n"] == WINDOWS * EVERY
     assert ours[0][2]["n"] == WINDOWS
     assert ours[0][2]["bytes"] * EVERY == hand[0][2]["bytes"]
-
-
-@pytest.mark.skip(
-    reason="FSDP2 (fully_shard) needs a CUDA device in torch 2.13 for its "
-    "streams; its gradient-sync switch is covered by bench/gpu when a GPU is lent"
-)
-def test_fsdp2() -> None:  # pragma: no cover
-    pass

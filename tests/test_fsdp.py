@@ -1,0 +1,86 @@
+"""FSDP2 (fully_shard) + Accumulate on 2 CPU processes (gloo), spawned by the tests.
+
+Same data layout and reference as test_ddp: both ranks' gathered parameters must equal
+single-process full-batch training, with gradient sync only at the closing micro-step
+(unsharded gradients inside the window) or reduce-scattered every micro-step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_ddp import EVERY, WINDOWS, WORLD, layout, make_opt, model_and_data, reference
+
+
+def worker(rank: int, store_path: str, mode: str, queue: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from accumopt import Accumulate
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
+    )
+    try:
+        base, x, y = model_and_data()
+        model = copy.deepcopy(base)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        kwargs: dict[str, Any] = {"every": EVERY}
+        if mode == "items":
+            rows = sum(b - a for r in layout("uneven")[0] for a, b in r)
+            kwargs = {"every_items": rows, "reduce_every_micro_step": True}
+        elif mode == "reduce_every":
+            kwargs["reduce_every_micro_step"] = True
+        opt = Accumulate(make_opt(model.parameters()), model=model, **kwargs)
+        for window in layout("uneven"):
+            for a, b in window[rank]:
+                opt.backward(((model(x[a:b]) - y[a:b]) ** 2).sum(), items=b - a)
+                opt.step()
+                opt.zero_grad()
+        assert opt.updates == WINDOWS, opt.updates
+        full = [p.full_tensor().flatten().tolist() for p in model.parameters()]
+        queue.put((rank, full))
+    except BaseException as err:
+        queue.put((rank, repr(err)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["window", "reduce_every", "items"])
+def test_fsdp2_accumulate_equals_single_process_full_batch(mode: str) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=worker, args=(r, os.path.join(tmp, "s"), mode, queue))
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        results = sorted(queue.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    expected = reference("uneven", weighted=True)
+    for _, params in results:
+        assert not isinstance(params, str), params
+        for p, q in zip(params, expected):
+            torch.testing.assert_close(
+                torch.tensor(p, dtype=torch.float64), q.flatten(), rtol=1e-10, atol=1e-12
+            )
