@@ -189,6 +189,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._synced = False  # whether DDP's reducer synchronised the last backward pass
         self._buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
         self._drop_at_step = False
+        self._defer_commits = False
+        self._uncommitted: tuple[bool, float | None] | None = None
         if self._sync is not None and self._sync.fsdp:
             self._check_fsdp()
         self._reset_window()
@@ -284,6 +286,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "the window, then fix the loop."
             ) from None
         self._stepped = False
+        if self._defer_commits:
+            self._uncommitted = (weighted, items)
+            return
+        self._commit(weighted, items)
+
+    def commit_micro_step(self) -> None:
+        """Count the micro-step whose backward pass ended while commits were deferred.
+
+        The micro-batch runner defers commits under ``torch.distributed``: after each
+        micro-batch all ranks first agree (one all-reduce) that none ran out of memory, then
+        all commit (counting may all-reduce item counts) or all drop their micro-step
+        (:meth:`drop_micro_step`), so a rank that failed never leaves the others waiting in a
+        collective. Does nothing when no micro-step is pending.
+        """
+        pending, self._uncommitted = self._uncommitted, None
+        if pending is not None:
+            self._commit(*pending)
+
+    def _commit(self, weighted: bool, items: float | None) -> None:
         if self.nonfinite in _PER_MICRO_BATCH and self._micro_step_is_nonfinite():
             return
         self._weighted = weighted
@@ -342,6 +363,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         for p in _grads.params_of(self.param_groups):
             p.grad = None
         self._pending_items = None
+        if self._uncommitted is not None:
+            self._uncommitted = None
+            self._stepped = True
 
     def enable_rollback(self) -> None:
         """Route every parameter through the window buffer from now on (``buffer=True``).

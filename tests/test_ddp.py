@@ -113,6 +113,9 @@ def worker(rank: int, store_path: str, scenario: str, mode: str, queue: Any) -> 
         ddp.register_comm_hook(None, counting_hook)
         inner = make_opt(ddp.parameters())
         weighted = mode != "plain"
+        if mode == "auto_oom":  # OOM on rank 0 only: both ranks back off together
+            run_auto(rank, ddp, inner, x, y, scenario, queue)
+            return
         if mode == "hand":  # the usual loop without accumulation-aware syncing
             for window in layout(scenario):
                 for a, b in window[rank]:
@@ -152,6 +155,31 @@ def worker(rank: int, store_path: str, scenario: str, mode: str, queue: Any) -> 
         raise
     finally:
         dist.destroy_process_group()
+
+
+def run_auto(
+    rank: int,
+    ddp: nn.Module,
+    inner: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scenario: str,
+    queue: Any,
+) -> None:
+    from accumopt import Accumulate, MicroBatchRunner
+    from accumopt.testing import simulate_oom
+
+    windows = layout(scenario)
+    rows = sum(b - a for r in windows[0] for a, b in r)
+    opt = Accumulate(inner, every_items=rows, model=ddp)
+    runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum())
+    limit = 5 if rank == 0 else 10**6
+    with simulate_oom(ddp.module, limit, where="backward", at=ddp.module[0]):
+        for window in windows:
+            idx = torch.cat([torch.arange(a, b) for a, b in window[rank]])
+            runner((x[idx], y[idx]))
+    assert opt.updates == WINDOWS and runner.ooms > 0, (opt.updates, runner.ooms)
+    queue.put((rank, plain(ddp), {"ooms": runner.ooms, "size": runner.micro_batch_size}, 0))
 
 
 def run(scenario: str, mode: str) -> list[tuple[int, Any, dict[str, int], int]]:
@@ -206,3 +234,11 @@ def test_one_all_reduce_per_real_step_vs_one_per_micro_step() -> None:
     assert hand[0][2]["n"] == WINDOWS * EVERY
     assert ours[0][2]["n"] == WINDOWS
     assert ours[0][2]["bytes"] * EVERY == hand[0][2]["bytes"]
+
+
+@pytest.mark.slow
+def test_ddp_auto_micro_batch_size_backs_off_together_when_one_rank_runs_out() -> None:
+    results = run("equal", "auto_oom")
+    assert_matches(results, reference("equal", weighted=True))
+    stats = [r[2] for r in results]
+    assert stats[0] == stats[1] and stats[0]["size"] <= 5  # the same search on both ranks
