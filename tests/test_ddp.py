@@ -8,6 +8,7 @@ micro-batches, and counts DDP's all-reduces with a communication hook.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 WORLD = 2
+TIMEOUT = datetime.timedelta(seconds=120)  # a rank whose peer died fails instead of hanging
 WINDOWS = 3
 EVERY = 3
 
@@ -94,7 +96,7 @@ def worker(rank: int, store_path: str, scenario: str, mode: str, queue: Any) -> 
     from accumopt import Accumulate
 
     store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         base, x, y = model_and_data()
         ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -182,24 +184,34 @@ def run_auto(
     queue.put((rank, plain(ddp), {"ooms": runner.ooms, "size": runner.micro_batch_size}, 0))
 
 
-def run(scenario: str, mode: str) -> list[tuple[int, Any, dict[str, int], int]]:
+def spawn(target: Any, *args: Any) -> list[tuple[Any, ...]]:
+    """Run ``target(rank, store_path, *args, queue)`` on WORLD fresh processes; return what
+    each put on the queue, by rank. Children are daemons and are killed on any failure, so a
+    rank stuck in a collective cannot outlive the test."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=worker, args=(r, os.path.join(tmp, "store"), scenario, mode, queue))
+            ctx.Process(target=target, args=(r, store, *args, queue), daemon=True)
             for r in range(WORLD)
         ]
-        for p in procs:
-            p.start()
-        results = sorted(queue.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    for _, params, _, _ in results:
-        assert not isinstance(params, str), params
+        try:
+            for p in procs:
+                p.start()
+            results = sorted(queue.get(timeout=300) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    for result in results:
+        assert not isinstance(result[1], str), result[1]
     return results
+
+
+def run(scenario: str, mode: str) -> list[tuple[Any, ...]]:
+    return spawn(worker, scenario, mode)
 
 
 def assert_matches(results: list, expected: list[torch.Tensor]) -> None:

@@ -10,17 +10,25 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ddp import EVERY, WINDOWS, WORLD, layout, make_opt, model_and_data, reference
+from test_ddp import (
+    EVERY,
+    TIMEOUT,
+    WINDOWS,
+    WORLD,
+    layout,
+    make_opt,
+    model_and_data,
+    reference,
+    spawn,
+)
 
 
 def worker(rank: int, store_path: str, mode: str, queue: Any) -> None:
@@ -29,7 +37,11 @@ def worker(rank: int, store_path: str, mode: str, queue: Any) -> None:
     from accumopt import Accumulate
 
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
+        "gloo",
+        store=dist.FileStore(store_path, WORLD),
+        rank=rank,
+        world_size=WORLD,
+        timeout=TIMEOUT,
     )
     try:
         base, x, y = model_and_data()
@@ -63,23 +75,9 @@ def worker(rank: int, store_path: str, mode: str, queue: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["window", "reduce_every", "items"])
 def test_fsdp2_accumulate_equals_single_process_full_batch(mode: str) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=worker, args=(r, os.path.join(tmp, "s"), mode, queue))
-            for r in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
-        results = sorted(queue.get(timeout=120) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results = spawn(worker, mode)
     expected = reference("uneven", weighted=True)
     for _, params in results:
-        assert not isinstance(params, str), params
         for p, q in zip(params, expected):
             torch.testing.assert_close(
                 torch.tensor(p, dtype=torch.float64), q.flatten(), rtol=1e-10, atol=1e-12
