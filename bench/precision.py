@@ -6,7 +6,7 @@ the *floor*: the median error of a single bf16 micro-batch gradient against its 
 value. ``g_ref`` is the float64 gradient of the same (bf16-representable) weights and inputs,
 so only arithmetic rounding is measured. Also times a window with the buffer on and off.
 
-Run: ``python bench/precision.py [--seeds 5] [--ks 16 256 1024]``.
+Run: ``python bench/precision.py [--seeds 5] [--ks 16 256 1024] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import argparse
 import copy
 import statistics
 import time
+from typing import Any
 
 import torch
+from _common import add_json_option, markdown_table, write_json
 from torch import nn
 
 from accumopt import Accumulate
@@ -64,11 +66,12 @@ def gradient_errors(k: int, buffer: bool | None, seed: int = 0) -> tuple[float, 
     return _rel(window, ref), statistics.median(singles)
 
 
-def window_time(buffer: bool, k: int = 64, repeats: int = 15) -> float:
-    """Median seconds for one window of k bf16 micro-steps with the buffer on or off."""
+def window_time(k: int = 64, repeats: int = 15, **options: Any) -> float:
+    """Median seconds for one window of k bf16 micro-steps with the given ``Accumulate``
+    options (``buffer=``, ``nonfinite=``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 10)).to(torch.bfloat16)
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=k, buffer=buffer)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=k, **options)
     x, y = torch.randn(32, 256).bfloat16(), torch.randn(32, 10).bfloat16()
     times = []
     for _ in range(repeats):
@@ -81,16 +84,15 @@ def window_time(buffer: bool, k: int = 64, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 256, 1024])
+    add_json_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"bf16 MLP 16-32-1, micro-batches of {MICRO}, median over {args.seeds} seeds")
-    header = ("k", "floor", "fp32 buffer", "ratio", "bf16 .grad", "ratio")
-    print(" ".join(f"{h:>{w}s}" for h, w in zip(header, (6, 9, 12, 6, 11, 6))))
-    table = {}
+    table: dict[int, dict[str, float]] = {}
+    rows = []
     for k in args.ks:
         runs = [
             (gradient_errors(k, None, s), gradient_errors(k, False, s)[0])
@@ -100,16 +102,44 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         buffered = statistics.median(r[0][0] for r in runs)
         plain = statistics.median(r[1] for r in runs)
         table[k] = {"floor": floor, "buffer": buffered, "plain": plain}
-        print(
-            f"{k:6d} {floor:9.2e} {buffered:12.2e} {buffered / floor:6.2f} "
-            f"{plain:11.2e} {plain / floor:6.2f}"
+        rows.append(
+            [
+                str(k),
+                f"{floor:.2e}",
+                f"{buffered:.2e}",
+                f"{buffered / floor:.2f}",
+                f"{plain:.2e}",
+                f"{plain / floor:.2f}",
+            ]
         )
-    on, off = window_time(True), window_time(False)
-    print(
-        f"window of 64 bf16 micro-steps (MLP 256-512-10): buffer on {1e3 * on:.2f} ms, "
-        f"off {1e3 * off:.2f} ms, ratio {on / off:.3f}"
+    header = [
+        "k micro-steps",
+        "floor (one micro-batch)",
+        "fp32 buffer",
+        "/ floor",
+        "bf16 .grad",
+        "/ floor",
+    ]
+    off, on = window_time(buffer=False), window_time(buffer=True)
+    checked = window_time(nonfinite="skip_micro_batch")
+    markdown = (
+        f"bf16 MLP 16-32-1, micro-batches of {MICRO} samples, median over {args.seeds} seeds.\n\n"
+        + markdown_table(header, rows)
+        + f"\n\nOne window of 64 bf16 micro-steps (MLP 256-512-10, micro-batch 32, 1 thread): "
+        f"buffer off {1e3 * off:.2f} ms; buffer on {1e3 * on:.2f} ms ({on / off:.3f}x); buffer "
+        f"on and nonfinite='skip_micro_batch' (a check and a host sync per micro-step) "
+        f"{1e3 * checked:.2f} ms ({checked / off:.3f}x). With nonfinite=None no check runs."
     )
-    return table
+    print(markdown)
+    data = {
+        "table": table,
+        "buffer_on_s": on,
+        "buffer_off_s": off,
+        "checked_s": checked,
+        "markdown": markdown,
+    }
+    write_json(args.json, data)
+    return data
 
 
 if __name__ == "__main__":

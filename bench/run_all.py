@@ -1,11 +1,12 @@
 """Run every benchmark, draw the plots and rewrite the measured sections of RESULTS.md.
 
-Runs ``overhead.py``, ``memory.py``, ``runner_overhead.py`` and ``autosize.py`` (each in its own
-process), draws ``overhead.png``, ``memory.png`` and ``autosize.png`` and replaces the blocks of
+Runs ``overhead.py``, ``memory.py``, ``runner_overhead.py``, ``autosize.py``, ``precision.py``
+and ``communication.py`` (each in its own process), draws ``overhead.png``, ``memory.png``,
+``autosize.png`` and ``precision.png`` and replaces the blocks of
 ``RESULTS.md`` between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->``
-(NAME = setup, overhead, memory, runner_overhead, autosize); everything outside those blocks
-(the exactness table, the prose) is left as it is. ``autosize.py`` takes seconds and always
-runs whole.
+(NAME = setup, overhead, memory, runner_overhead, autosize, precision, communication);
+everything outside those blocks (the exactness table, the prose) is left as it is.
+``autosize.py`` takes seconds and always runs whole.
 
 Run: ``python bench/run_all.py [--quick]`` (full: about 4 minutes on 2 cores; quick: about 1.5).
 """
@@ -168,6 +169,27 @@ def setup_block(
     )
 
 
+def plot_precision(data: dict[str, Any], path: Path) -> None:
+    """Relative gradient error vs micro-steps per window: float32 buffer, bf16 .grad, floor."""
+    table = {int(k): v for k, v in data["table"].items()}
+    ks = sorted(table)
+    fig, ax = new_figure(6, 4)
+    for key, label in (
+        ("plain", "bf16 .grad sums"),
+        ("buffer", "float32 window buffer"),
+        ("floor", "one bf16 micro-batch (floor)"),
+    ):
+        ax.plot(ks, [table[k][key] for k in ks], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("micro-steps per window (k)")
+    ax.set_ylabel("relative error of the window gradient")
+    ax.set_title("bf16 accumulation error vs float64")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def models_line(data: dict[str, Any]) -> str:
     """The models a timing script measured, one sentence."""
     return "Models: " + "; ".join(f"**{n}**: {t}" for n, t in data["models"].items()) + "."
@@ -188,10 +210,15 @@ def main(argv: list[str] | None = None) -> None:
         memory, memory_s = run_script("memory.py", memory_args, Path(tmp, "m.json"))
         runner, runner_s = run_script("runner_overhead.py", overhead_args, Path(tmp, "r.json"))
         autosize, autosize_s = run_script("autosize.py", [], Path(tmp, "a.json"))
+        precision_args = ["--seeds", "2", "--ks", "16", "256"] if args.quick else []
+        precision, precision_s = run_script("precision.py", precision_args, Path(tmp, "p.json"))
+        comm_args = ["--windows", "5"] if args.quick else []
+        comm, comm_s = run_script("communication.py", comm_args, Path(tmp, "c.json"))
     if available("matplotlib"):
         plot_overhead(overhead, BENCH_DIR / "overhead.png")
         plot_memory(memory, BENCH_DIR / "memory.png")
         plot_autosize(autosize, BENCH_DIR / "autosize.png")
+        plot_precision(precision, BENCH_DIR / "precision.png")
     wall = time.perf_counter() - start
     text = RESULTS.read_text()
     setup = setup_block(machine(), overhead, memory, runner, args.quick, wall)
@@ -202,11 +229,15 @@ def main(argv: list[str] | None = None) -> None:
     text = replace_block(text, "memory", f"{memory['markdown']}\n\n![](memory.png)")
     text = replace_block(text, "runner_overhead", f"{models_line(runner)}\n\n{runner['markdown']}")
     text = replace_block(text, "autosize", f"{autosize['markdown']}\n\n![](autosize.png)")
+    text = replace_block(text, "precision", f"{precision['markdown']}\n\n![](precision.png)")
+    text = replace_block(text, "communication", comm["markdown"])
     RESULTS.write_text(text)
     print(
         f"overhead.py {overhead_s:.0f} s, memory.py {memory_s:.0f} s, runner_overhead.py "
-        f"{runner_s:.0f} s, autosize.py {autosize_s:.0f} s, total {wall:.0f} s; wrote "
-        f"{RESULTS.name}, overhead.png, memory.png, autosize.png"
+        f"{runner_s:.0f} s, autosize.py {autosize_s:.0f} s, precision.py {precision_s:.0f} s, "
+        f"communication.py {comm_s:.0f} s, "
+        f"total {wall:.0f} s; wrote {RESULTS.name}, overhead.png, memory.png, autosize.png, "
+        "precision.png"
     )
 
 
