@@ -156,20 +156,30 @@ def check_items(items: object) -> float | None:
     if items is None:
         return None
     if isinstance(items, torch.Tensor):
-        if items.numel() != 1 or items.is_complex():
-            raise ValueError(
-                f"Accumulate.backward: items is a tensor of shape {tuple(items.shape)} and dtype "
-                f"{items.dtype}; expected a single real number (e.g. mask.sum())."
-            )
+        check_count_tensor(items, "Accumulate.backward: items")
         items = items.item()
+    return check_count(items, "Accumulate.backward: items", "the summed loss")
+
+
+def check_count_tensor(count: torch.Tensor, what: str) -> None:
+    """A one-element real tensor, else TypeError/ValueError naming ``what``."""
+    if count.numel() != 1 or count.is_complex():
+        raise ValueError(
+            f"{what} is a tensor of shape {tuple(count.shape)} and dtype {count.dtype}; "
+            "expected a single real number (e.g. mask.sum())."
+        )
+
+
+def check_count(count: object, what: str, covers: str, where: str = "") -> float:
+    """A finite number >= 0 (an item count), else ValueError naming ``what`` (and ``where``)."""
     if (
-        isinstance(items, bool)
-        or not isinstance(items, numbers.Real)
-        or not math.isfinite(float(items))
-        or items < 0
+        isinstance(count, bool)
+        or not isinstance(count, numbers.Real)
+        or not math.isfinite(float(count))
+        or count < 0
     ):
         raise ValueError(
-            f"Accumulate.backward: items={items!r} is not a finite number >= 0; expected the "
-            "number of items (samples or tokens) that the summed loss covers."
+            f"{what}={count!r}{where} is not a finite number >= 0; expected the number of items "
+            f"(samples or tokens) that {covers} covers."
         )
-    return float(items)
+    return float(count)

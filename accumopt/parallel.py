@@ -8,8 +8,6 @@ plain backward of the mean. The same model object serves one device or several.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -17,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import parallel_apply, replicate
 
-from accumopt import split
+from accumopt import _checks, split
 from accumopt.accumulate import AccumulatingOptimizer
 
 LossOutput: TypeAlias = Tensor | tuple[Tensor, float | Tensor]
@@ -227,24 +225,13 @@ def _check_pair(out: tuple[Any, ...], where: str) -> tuple[Tensor, float | Tenso
     loss = _check_loss(out[0], where, "(loss_sum, items) with a one-element loss_sum")
     count = out[1]
     if isinstance(count, Tensor):
-        if count.numel() != 1 or count.is_complex():
-            raise TypeError(
-                f"parallel_backward: items for {where} is a tensor of shape "
-                f"{tuple(count.shape)} and dtype {count.dtype}; expected a single real number "
-                "(e.g. mask.sum())."
-            )
+        try:
+            _checks.check_count_tensor(count, f"parallel_backward: items for {where}")
+        except ValueError as err:
+            raise TypeError(str(err)) from None
         return loss, count.reshape(())
-    if (
-        isinstance(count, bool)
-        or not isinstance(count, numbers.Real)
-        or not math.isfinite(float(count))
-        or count < 0
-    ):
-        raise ValueError(
-            f"parallel_backward: items={count!r} for {where} is not a finite number >= 0; "
-            "expected how many items (samples or tokens) the piece's summed loss covers."
-        )
-    return loss, float(count)
+    covers = "the piece's summed loss"
+    return loss, _checks.check_count(count, "parallel_backward: items", covers, f" for {where}")
 
 
 def _nonzero(items: float | Tensor) -> float | Tensor:

@@ -1,15 +1,18 @@
-"""Testing helpers: simulate out-of-memory errors on any machine.
+"""Testing helpers: simulated out-of-memory errors, and gloo process groups, on any machine.
 
 ``simulate_oom(module, limit)`` raises a real ``torch.OutOfMemoryError`` (or the plain
 ``RuntimeError`` the CPU allocator raises) whenever a micro-batch of more than ``limit`` rows
 passes through ``module``: in the forward pass, or in the middle of the backward pass after
 the gradients of the layers behind ``at`` were already written. It is how accumopt's OOM
 recovery is tested without a GPU, and how ``examples/autosize_digits.py`` shows it.
+
+``run_ranks(target, *args)`` runs a function on several CPU processes joined in a gloo
+process group (how the DDP and FSDP2 paths are tested and benchmarked on one machine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -98,3 +101,84 @@ def simulate_oom(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    timeout_s: float,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        queue.put((rank, target(rank, *args)))
+    except BaseException as err:  # report it, so the parent does not wait for a result
+        queue.put((rank, RankFailed(f"rank {rank}: {type(err).__name__}: {err}")))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """A rank of :func:`run_ranks` raised; the message names the rank and the error."""
+
+
+def run_ranks(
+    target: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 120
+) -> list[Any]:
+    """Run ``target(rank, *args)`` in ``world_size`` fresh processes joined in a gloo group.
+
+    Each process initialises ``torch.distributed`` (gloo, a file store in a temporary folder,
+    collectives timing out after ``timeout_s`` seconds), calls ``target`` and sends its result
+    back; the results come back in rank order. Children are daemons, killed if they outlive
+    the call, so a rank stuck in a collective cannot hang the caller. ``target`` must be a
+    module-level function and its result picklable without shared memory (plain Python
+    values: ``tensor.tolist()``, not tensors).
+
+    Raises:
+        RankFailed: a rank raised (the first failure, by rank).
+        queue.Empty: no result within ``2 * timeout_s`` seconds.
+    """
+    import multiprocessing
+    import os
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, store, timeout_s, target, args, queue),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            results = sorted((queue.get(timeout=2 * timeout_s) for _ in procs), key=lambda r: r[0])
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    for _, result in results:
+        if isinstance(result, RankFailed):
+            raise result
+    return [result for _, result in results]

@@ -18,28 +18,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _common import add_json_option, markdown_table, write_json
 from torch import nn
 
 from accumopt import Accumulate
+from accumopt.testing import run_ranks
 
 WORLD = 2
 LOOPS = ("DDP, sync every micro-step", "DDP + no_sync by hand", "accumopt")
 
 
-def worker(rank: int, store_path: str, loop: str, windows: int, k: int, queue: Any) -> None:
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
-    )
+def worker(rank: int, loop: str, windows: int, k: int) -> tuple[float, float, float]:
+    """One rank: (all-reduces, bytes, median seconds) per optimizer step of ``loop``."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     width = 256
@@ -78,34 +74,11 @@ def worker(rank: int, store_path: str, loop: str, windows: int, k: int, queue: A
         times.append(time.perf_counter() - start)
         if w == 0:
             stats = {"calls": 0, "bytes": 0}
-    queue.put(
-        (rank, stats["calls"] / windows, stats["bytes"] / windows, statistics.median(times[1:]))
-    )
-    dist.destroy_process_group()
+    return stats["calls"] / windows, stats["bytes"] / windows, statistics.median(times[1:])
 
 
 def measure(loop: str, windows: int, k: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=worker,
-                daemon=True,
-                args=(r, os.path.join(tmp, "s"), loop, windows, k, queue),
-            )
-            for r in range(WORLD)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            results = sorted(queue.get(timeout=300) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    _, calls, nbytes, seconds = results[0]
+    calls, nbytes, seconds = run_ranks(worker, loop, windows, k, world_size=WORLD)[0]
     return {"all_reduces": calls, "mib": nbytes / 2**20, "ms": 1e3 * seconds}
 
 

@@ -45,7 +45,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import add_json_option, available, markdown_table, quartiles, write_json
+from _common import (
+    add_json_option,
+    add_round_options,
+    available,
+    markdown_table,
+    quartiles,
+    round_counts,
+    write_json,
+)
 from torch import Tensor, nn
 
 from accumopt import Accumulate
@@ -308,11 +316,12 @@ def measure(work: Workload, warmup: int, repeats: int, installed: set[str]) -> R
     return rounds
 
 
-def summarize(rounds: Rounds) -> dict[str, dict[str, float]]:
-    """Per contender (hand loop, accumopt, then the peers): median ms per window and the
-    quartiles of its per-round ratio to the hand loop."""
+def summarize(rounds: Rounds, order: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Per contender (``order``; default: hand loop, accumopt, then the peers that ran): median
+    ms per window and the quartiles of its per-round ratio to the hand loop."""
     hand = rounds.times[HAND]
-    order = [name for name in [*CONTENDERS, TRAINER] if name in rounds.times]
+    if order is None:
+        order = [name for name in [*CONTENDERS, TRAINER] if name in rounds.times]
     out = {}
     for name in order:
         seconds = rounds.times[name]
@@ -356,17 +365,11 @@ def quiet_peers(installed: set[str]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every workload, print the table and return (and optionally save) the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="7 rounds and 2 warm-up rounds")
-    parser.add_argument("--repeats", type=int, help="counted rounds (default 31; 7 with --quick)")
-    parser.add_argument("--warmup", type=int, help="rounds not counted (default 3; 2 with --quick)")
-    parser.add_argument("--k", type=int, default=8, help="micro-steps per optimizer step")
+    add_round_options(parser, "micro-steps")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     add_json_option(parser)
     args = parser.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 7 if args.quick else 31
-    if args.warmup is None:
-        args.warmup = 2 if args.quick else 3
+    args.repeats, args.warmup = round_counts(args)
     torch.set_num_threads(args.threads)
     installed = {module for module in ("accelerate", "lightning", "mbp") if available(module)}
     quiet_peers(installed)

@@ -33,9 +33,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import add_json_option, markdown_table, quartiles, write_json
+from _common import (
+    add_json_option,
+    add_round_options,
+    markdown_table,
+    round_counts,
+    write_json,
+)
 from autosize import settle, sum_loss
-from overhead import HAND, LR, Rounds, Window, tables, workloads
+from overhead import HAND, LR, Rounds, Window, summarize, tables, workloads
 from torch import Tensor, nn
 
 from accumopt import Accumulate, MicroBatchRunner
@@ -125,18 +131,6 @@ def measure(
     return rounds, models
 
 
-def summarize(rounds: Rounds) -> dict[str, dict[str, float]]:
-    """Per contender, in ``CONTENDERS`` order: median ms per step and the quartiles of its
-    per-round ratio to the hand loop (the layout ``overhead.tables`` renders)."""
-    hand = rounds.times[HAND]
-    out = {}
-    for name in CONTENDERS:
-        seconds = rounds.times[name]
-        q1, ratio, q3 = quartiles([t / h for t, h in zip(seconds, hand)])
-        out[name] = {"ms": 1e3 * quartiles(seconds)[1], "ratio": ratio, "q1": q1, "q3": q3}
-    return out
-
-
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     """The largest absolute difference between the parameters of two copies of a model."""
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
@@ -145,14 +139,10 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every workload, print the tables and return (and optionally save) the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="7 rounds and 2 warm-up rounds")
-    parser.add_argument("--repeats", type=int, help="counted rounds (default 31; 7 with --quick)")
-    parser.add_argument("--warmup", type=int, help="rounds not counted (default 3; 2 with --quick)")
-    parser.add_argument("--k", type=int, default=8, help="micro-batches per optimizer step")
+    add_round_options(parser, "micro-batches")
     add_json_option(parser)
     args = parser.parse_args(argv)
-    repeats = args.repeats or (7 if args.quick else 31)
-    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    repeats, warmup = round_counts(args)
     torch.set_num_threads(1)
     logging.getLogger("accumopt").setLevel(logging.ERROR)  # the settling OOMs, one line each
     print(
@@ -166,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch = (torch.cat([x for x, _ in work.batches]), torch.cat([y for _, y in work.batches]))
         micro = len(work.batches[0][0])
         rounds, trained = measure(work.model, batch, micro, warmup, repeats)
-        results[work.name] = summarize(rounds)
+        results[work.name] = summarize(rounds, list(CONTENDERS))
         models[work.name] = work.description
         for name, cells in diffs.items():
             cells.append(f"{max_param_diff(trained[name], trained[HAND]):.1e}")

@@ -8,22 +8,20 @@ micro-batches, and counts DDP's all-reduces with a communication hook.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import sys
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from accumopt.testing import run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 WORLD = 2
-TIMEOUT = datetime.timedelta(seconds=120)  # a rank whose peer died fails instead of hanging
 WINDOWS = 3
 EVERY = 3
 
@@ -87,76 +85,67 @@ def reference(scenario: str, weighted: bool) -> list[torch.Tensor]:
 
 
 def plain(model: nn.Module) -> list[list[float]]:
-    """Parameters as Python lists: tensors sent through a queue would be shared-memory handles
+    """Parameters as Python lists: tensors sent back from a rank would be shared-memory handles
     that die with the child process."""
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def worker(rank: int, store_path: str, scenario: str, mode: str, queue: Any) -> None:
+def worker(rank: int, scenario: str, mode: str) -> tuple[Any, ...]:
+    """One rank: train a DDP model in ``mode``; its parameters, comm-hook counts and accumopt's
+    own all-reduce count."""
     from accumopt import Accumulate
 
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        base, x, y = model_and_data()
-        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        calls = {"n": 0, "bytes": 0}
+    base, x, y = model_and_data()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    calls = {"n": 0, "bytes": 0}
 
-        def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the
-            # annotations it finds, and "from __future__ import annotations" makes them strings
-            calls["n"] += 1
-            calls["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-            return (
-                dist.all_reduce(bucket.buffer(), async_op=True)
-                .get_future()
-                .then(lambda fut: fut.value()[0] / WORLD)
-            )
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the
+        # annotations it finds, and "from __future__ import annotations" makes them strings
+        calls["n"] += 1
+        calls["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return (
+            dist.all_reduce(bucket.buffer(), async_op=True)
+            .get_future()
+            .then(lambda fut: fut.value()[0] / WORLD)
+        )
 
-        ddp.register_comm_hook(None, counting_hook)
-        inner = make_opt(ddp.parameters())
-        weighted = mode != "plain"
-        if mode == "auto_oom":  # OOM on rank 0 only: both ranks back off together
-            run_auto(rank, ddp, inner, x, y, scenario, queue)
-            return
-        if mode == "hand":  # the usual loop without accumulation-aware syncing
-            for window in layout(scenario):
-                for a, b in window[rank]:
-                    (((ddp(x[a:b]) - y[a:b]) ** 2).sum() / (b - a) / EVERY).backward()
-                inner.step()
-                inner.zero_grad()
-            queue.put((rank, plain(ddp), dict(calls), 0))
-            return
-        kwargs: dict[str, Any] = {"every": EVERY}
-        scaler = None
-        if mode == "items":
-            kwargs = {"every_items": sum(b - a for r in layout(scenario)[0] for a, b in r)}
-        if mode == "amp":
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
-            kwargs["scaler"] = scaler
-        opt = Accumulate(inner, model=ddp, **kwargs)
+    ddp.register_comm_hook(None, counting_hook)
+    inner = make_opt(ddp.parameters())
+    weighted = mode != "plain"
+    if mode == "auto_oom":  # OOM on rank 0 only: both ranks back off together
+        return run_auto(rank, ddp, inner, x, y, scenario)
+    if mode == "hand":  # the usual loop without accumulation-aware syncing
         for window in layout(scenario):
             for a, b in window[rank]:
-                loss = ((ddp(x[a:b]) - y[a:b]) ** 2).sum()
-                if scaler is not None:
-                    loss = scaler.scale(loss)
-                if weighted:
-                    opt.backward(loss, items=b - a)
-                else:
-                    (loss / (b - a)).backward()
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad()
-        assert opt.updates == WINDOWS, opt.updates
-        reduces = opt._sync.all_reduces  # type: ignore[union-attr]
-        queue.put((rank, plain(ddp), dict(calls), reduces))
-    except BaseException as err:  # report, so the parent does not wait forever
-        queue.put((rank, repr(err), {}, 0))
-        raise
-    finally:
-        dist.destroy_process_group()
+                (((ddp(x[a:b]) - y[a:b]) ** 2).sum() / (b - a) / EVERY).backward()
+            inner.step()
+            inner.zero_grad()
+        return plain(ddp), dict(calls), 0
+    kwargs: dict[str, Any] = {"every": EVERY}
+    scaler = None
+    if mode == "items":
+        kwargs = {"every_items": sum(b - a for r in layout(scenario)[0] for a, b in r)}
+    if mode == "amp":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+        kwargs["scaler"] = scaler
+    opt = Accumulate(inner, model=ddp, **kwargs)
+    for window in layout(scenario):
+        for a, b in window[rank]:
+            loss = ((ddp(x[a:b]) - y[a:b]) ** 2).sum()
+            if scaler is not None:
+                loss = scaler.scale(loss)
+            if weighted:
+                opt.backward(loss, items=b - a)
+            else:
+                (loss / (b - a)).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+    assert opt.updates == WINDOWS, opt.updates
+    return plain(ddp), dict(calls), opt._sync.all_reduces  # type: ignore[union-attr]
 
 
 def run_auto(
@@ -166,8 +155,7 @@ def run_auto(
     x: torch.Tensor,
     y: torch.Tensor,
     scenario: str,
-    queue: Any,
-) -> None:
+) -> tuple[Any, ...]:
     from accumopt import Accumulate, MicroBatchRunner
     from accumopt.testing import simulate_oom
 
@@ -181,41 +169,15 @@ def run_auto(
             idx = torch.cat([torch.arange(a, b) for a, b in window[rank]])
             runner((x[idx], y[idx]))
     assert opt.updates == WINDOWS and runner.ooms > 0, (opt.updates, runner.ooms)
-    queue.put((rank, plain(ddp), {"ooms": runner.ooms, "size": runner.micro_batch_size}, 0))
-
-
-def spawn(target: Any, *args: Any) -> list[tuple[Any, ...]]:
-    """Run ``target(rank, store_path, *args, queue)`` on WORLD fresh processes; return what
-    each put on the queue, by rank. Children are daemons and are killed on any failure, so a
-    rank stuck in a collective cannot outlive the test."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=target, args=(r, store, *args, queue), daemon=True)
-            for r in range(WORLD)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            results = sorted(queue.get(timeout=300) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    for result in results:
-        assert not isinstance(result[1], str), result[1]
-    return results
+    return plain(ddp), {"ooms": runner.ooms, "size": runner.micro_batch_size}, 0
 
 
 def run(scenario: str, mode: str) -> list[tuple[Any, ...]]:
-    return spawn(worker, scenario, mode)
+    return run_ranks(worker, scenario, mode, world_size=WORLD)
 
 
 def assert_matches(results: list, expected: list[torch.Tensor]) -> None:
-    for _, params, _, _ in results:
+    for params, _, _ in results:
         for p, q in zip(params, expected):
             torch.testing.assert_close(
                 torch.tensor(p, dtype=torch.float64), q.flatten(), rtol=1e-10, atol=1e-12
@@ -230,9 +192,9 @@ def assert_matches(results: list, expected: list[torch.Tensor]) -> None:
 def test_ddp_accumulate_equals_single_process_full_batch(scenario: str, mode: str) -> None:
     results = run(scenario, mode)
     assert_matches(results, reference(scenario, weighted=mode != "plain"))
-    calls = results[0][2]["n"]
+    calls = results[0][1]["n"]
     if mode in ("plain", "weighted"):  # DDP syncs the closing micro-step itself, once
-        assert calls == WINDOWS and results[0][3] == (WINDOWS * EVERY if mode == "weighted" else 0)
+        assert calls == WINDOWS and results[0][2] == (WINDOWS * EVERY if mode == "weighted" else 0)
     else:  # items / AMP: accumopt sums the window once (plus the small item-count sums)
         assert calls == 0
 
@@ -243,14 +205,14 @@ def test_one_all_reduce_per_real_step_vs_one_per_micro_step() -> None:
     ours = run("equal", "plain")
     assert_matches(ours, reference("equal", weighted=False))
     assert_matches(hand, reference("equal", weighted=False))
-    assert hand[0][2]["n"] == WINDOWS * EVERY
-    assert ours[0][2]["n"] == WINDOWS
-    assert ours[0][2]["bytes"] * EVERY == hand[0][2]["bytes"]
+    assert hand[0][1]["n"] == WINDOWS * EVERY
+    assert ours[0][1]["n"] == WINDOWS
+    assert ours[0][1]["bytes"] * EVERY == hand[0][1]["bytes"]
 
 
 @pytest.mark.slow
 def test_ddp_auto_micro_batch_size_backs_off_together_when_one_rank_runs_out() -> None:
     results = run("equal", "auto_oom")
     assert_matches(results, reference("equal", weighted=True))
-    stats = [r[2] for r in results]
+    stats = [r[1] for r in results]
     assert stats[0] == stats[1] and stats[0]["size"] <= 5  # the same search on both ranks

@@ -14,70 +14,48 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from accumopt.testing import run_ranks
+
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ddp import (
-    EVERY,
-    TIMEOUT,
-    WINDOWS,
-    WORLD,
-    layout,
-    make_opt,
-    model_and_data,
-    reference,
-    spawn,
-)
+from test_ddp import EVERY, WINDOWS, WORLD, layout, make_opt, model_and_data, reference
 
 
-def worker(rank: int, store_path: str, mode: str, queue: Any) -> None:
+def worker(rank: int, mode: str) -> list[list[float]]:
+    """One rank: train the FSDP2-sharded model; the gathered full parameters."""
     from torch.distributed.fsdp import fully_shard
 
     from accumopt import Accumulate
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, WORLD),
-        rank=rank,
-        world_size=WORLD,
-        timeout=TIMEOUT,
-    )
-    try:
-        base, x, y = model_and_data()
-        model = copy.deepcopy(base)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        kwargs: dict[str, Any] = {"every": EVERY}
-        if mode == "items":
-            rows = sum(b - a for r in layout("uneven")[0] for a, b in r)
-            kwargs = {"every_items": rows, "reduce_every_micro_step": True}
-        elif mode == "reduce_every":
-            kwargs["reduce_every_micro_step"] = True
-        opt = Accumulate(make_opt(model.parameters()), model=model, **kwargs)
-        for window in layout("uneven"):
-            for a, b in window[rank]:
-                opt.backward(((model(x[a:b]) - y[a:b]) ** 2).sum(), items=b - a)
-                opt.step()
-                opt.zero_grad()
-        assert opt.updates == WINDOWS, opt.updates
-        full = [p.full_tensor().flatten().tolist() for p in model.parameters()]
-        queue.put((rank, full))
-    except BaseException as err:
-        queue.put((rank, repr(err)))
-        raise
-    finally:
-        dist.destroy_process_group()
+    base, x, y = model_and_data()
+    model = copy.deepcopy(base)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    kwargs: dict[str, Any] = {"every": EVERY}
+    if mode == "items":
+        rows = sum(b - a for r in layout("uneven")[0] for a, b in r)
+        kwargs = {"every_items": rows, "reduce_every_micro_step": True}
+    elif mode == "reduce_every":
+        kwargs["reduce_every_micro_step"] = True
+    opt = Accumulate(make_opt(model.parameters()), model=model, **kwargs)
+    for window in layout("uneven"):
+        for a, b in window[rank]:
+            opt.backward(((model(x[a:b]) - y[a:b]) ** 2).sum(), items=b - a)
+            opt.step()
+            opt.zero_grad()
+    assert opt.updates == WINDOWS, opt.updates
+    return [p.full_tensor().flatten().tolist() for p in model.parameters()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["window", "reduce_every", "items"])
 def test_fsdp2_accumulate_equals_single_process_full_batch(mode: str) -> None:
-    results = spawn(worker, mode)
+    results = run_ranks(worker, mode, world_size=WORLD)
     expected = reference("uneven", weighted=True)
-    for _, params in results:
+    for params in results:
         for p, q in zip(params, expected):
             torch.testing.assert_close(
                 torch.tensor(p, dtype=torch.float64), q.flatten(), rtol=1e-10, atol=1e-12
