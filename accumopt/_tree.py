@@ -64,20 +64,27 @@ def batch_size(batch: Batch, api: str) -> int:
     return n
 
 
-def take(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``start:stop`` of every tensor leaf (views, no copy)."""
-    return pytree.tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, batch)
+class RowSlicer:
+    """Rows of one batch, moved to a device, many times: the batch is flattened once.
 
-
-def to_device(batch: Batch, device: torch.device | None) -> Batch:
-    """Move every tensor leaf to ``device`` (None: leave it), asynchronously where possible.
-
-    Host tensors bound for a CUDA device are pinned first, so the copy is ``non_blocking``
-    and the full batch never has to sit on the GPU.
+    ``RowSlicer(batch, device)(start, stop)`` is the batch with every tensor leaf cut to rows
+    ``start:stop`` (views) and moved to ``device`` (None: left where it is) with :func:`move`,
+    so the full batch can stay in host memory.
     """
-    if device is None:
-        return batch
-    return pytree.tree_map(lambda t: move(t, device) if isinstance(t, Tensor) else t, batch)
+
+    def __init__(self, batch: Batch, device: torch.device | None) -> None:
+        self.leaves, self.spec = pytree.tree_flatten(batch)
+        self.device = device
+
+    def __call__(self, start: int, stop: int) -> Batch:
+        device = self.device
+        rows = [
+            (leaf[start:stop] if device is None else move(leaf[start:stop], device))
+            if isinstance(leaf, Tensor)
+            else leaf
+            for leaf in self.leaves
+        ]
+        return pytree.tree_unflatten(rows, self.spec)
 
 
 def move(tensor: Tensor, device: torch.device) -> Tensor:

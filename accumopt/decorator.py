@@ -79,11 +79,12 @@ def apply(
                 )
             batch = {name: kwargs[name] for name in batch_names}
             n = _tree.batch_size(batch, "apply")
+            rows_of = _tree.RowSlicer(batch, target)
             total: Tensor | None = None
             others: list[tuple[Any, ...]] = []
             single = True
             for start in range(0, n, ub_size):
-                piece = _tree.to_device(_tree.take(batch, start, start + ub_size), target)
+                piece = rows_of(start, start + ub_size)
                 out = func(*args, **{**kwargs, **piece})
                 single = not isinstance(out, tuple)
                 loss, rest = (out, ()) if single else (out[0], tuple(out[1:]))

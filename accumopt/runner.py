@@ -153,6 +153,7 @@ class MicroBatchRunner:
         if self._ranks is not None:
             self._check_same_rows(n)
         key = shape_key(batch)
+        rows_of = _tree.RowSlicer(batch, self.device)
         total_loss: Tensor | None = None
         total_items = 0.0
         outputs: list[Any] = []
@@ -161,7 +162,7 @@ class MicroBatchRunner:
             size = self._propose(key, n - offset)
             failure = None
             try:
-                piece = _tree.to_device(_tree.take(batch, offset, offset + size), self.device)
+                piece = rows_of(offset, offset + size)
                 loss, items, out = self._forward_backward(piece, size)
             except Exception as err:  # re-raised below unless it is an OOM we handle
                 if self.sizer is None or not is_oom(err):
