@@ -41,7 +41,6 @@ class WindowBuffer:
     def clear(self) -> None:
         self.sums.clear()
 
-    @torch.no_grad()
     def fold(self, params: list[Tensor], scale: Tensor | None) -> None:
         """Add each parameter's ``.grad`` (divided by ``scale``) into its sum; release ``.grad``.
 
@@ -49,6 +48,12 @@ class WindowBuffer:
             params: parameters whose gradient is folded; those without ``.grad`` are skipped.
             scale: the AMP loss scale the gradients were computed under (0-dim tensor), or None.
         """
+        if not params:  # the common fp32 case: nothing to do, not even a no_grad scope
+            return
+        with torch.no_grad():
+            self._fold(params, scale)
+
+    def _fold(self, params: list[Tensor], scale: Tensor | None) -> None:
         fresh: list[tuple[Tensor, Tensor]] = []
         held: list[Tensor] = []
         incoming: list[Tensor] = []

@@ -395,11 +395,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._update_sync()
 
     def _buffered_params(self) -> list[Tensor]:
+        if self.buffer is False:
+            return []
         params = _grads.params_of(self.param_groups)
         if self._buffer_all:
             return params
-        if self.buffer is False:
-            return []
         return [p for p in params if p.dtype in _LOW_PRECISION]
 
     def _close_window(self) -> None:
