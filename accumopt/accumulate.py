@@ -167,6 +167,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
+        if self.nonfinite == "raise" and self.scaler is not None:
+            raise ValueError(
+                "Accumulate: nonfinite='raise' with a GradScaler would raise on every loss-scale "
+                "overflow (the scaler backs off only when it sees the inf); expected "
+                "nonfinite='skip_micro_batch' or 'skip_window' under AMP."
+            )
+        if model is not None and self.nonfinite in _PER_MICRO_BATCH:
+            raise ValueError(
+                f"Accumulate: nonfinite={nonfinite!r} with model= (torch.distributed) would let "
+                "the ranks drop different micro-steps and disagree on the window; expected "
+                "nonfinite='skip_window' or None under DDP/FSDP2."
+            )
         if self.buffer is False and self.nonfinite in _PER_MICRO_BATCH:
             raise ValueError(
                 f"Accumulate: nonfinite={nonfinite!r} drops single micro-batches, which needs the "
@@ -322,10 +334,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         else:
             if self._loss_scale() is None:  # under AMP, step() folds with its own loss scale
                 self._buffer.fold(self._buffered_params(), None)
+            else:
+                self._unfolded += 1
             self._update_sync()
 
     def _micro_step_is_nonfinite(self) -> bool:
-        """Per-micro-batch policies: drop a micro-step whose fresh gradient is not finite."""
+        """Per-micro-batch policies: drop a micro-step whose fresh gradient is not finite.
+
+        Under PyTorch's gated AMP recipe (no ``scaler.step`` inside the window) the finished
+        micro-steps stay in ``.grad`` with this one, so it cannot be told apart: then nothing
+        is checked here and the ``GradScaler`` skips the window at the boundary if needed.
+        """
+        if self._unfolded:
+            return False
         grads = _grads.grads_of(_grads.params_of(self.param_groups))
         if not grads or _grads.all_finite(grads):
             return False
@@ -351,14 +372,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         out-of-memory error in a backward pass, or a non-finite micro-batch.
 
         Raises:
-            RuntimeError: finished micro-steps still live in ``.grad`` (no buffer), so dropping
-                ``.grad`` would lose them.
+            RuntimeError: finished micro-steps still live in ``.grad`` (no buffer, or a
+                ``GradScaler`` loop without ``scaler.step`` since them), or the window is
+                already complete.
         """
-        if self.micro_step and not self._buffer_all:
+        if self._closed:
+            raise RuntimeError(
+                "Accumulate.drop_micro_step: the window is complete and its gradient formed; "
+                "expected a micro-step whose backward pass failed or is not yet counted. Call "
+                "opt.discard() to drop the whole window."
+            )
+        if self._unfolded or (self.micro_step and not self._buffer_all):
             raise RuntimeError(
                 "Accumulate.drop_micro_step: finished micro-steps of the open window live in "
                 ".grad, so the one in flight cannot be dropped alone; expected buffer=True (or "
-                "opt.enable_rollback() before the window)."
+                "opt.enable_rollback() before the window) and, under a GradScaler, "
+                "scaler.step(opt) after every backward pass."
             )
         for p in _grads.params_of(self.param_groups):
             p.grad = None
@@ -416,10 +445,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         else:  # one all-reduce of the whole window's gradient
             self._buffer.close(params, scale, None)
             trainable = [p for p in params if p.requires_grad]
+            used = self._sync.any_rank([p.grad is not None for p in trainable], self._device())
             for p in trainable:
                 if p.grad is None:  # every rank must reduce the same tensors
                     p.grad = torch.zeros_like(p)
             self._sync.sum_grads([p.grad for p in trainable])  # type: ignore[misc]
+            for p, anywhere in zip(trainable, used):
+                if not anywhere:  # unused on every rank: no gradient, as in one process
+                    p.grad = None
             if divisor is not None and divisor != 1:
                 _grads.div_(_grads.grads_of(trainable), divisor)
 
@@ -527,6 +560,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if not self._closed:
             if amp:
                 self._buffer.fold(_grads.params_of(self.param_groups), grad_scale)
+                self._unfolded = 0
             return None
         if amp and grad_scale is not None:
             _grads.div_(_grads.grads_of(_grads.params_of(self.param_groups)), grad_scale)
@@ -633,6 +667,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._buffer.clear()
         self._found_inf = None
+        self._unfolded = 0  # counted micro-steps whose gradient is still in .grad (AMP)
         self._update_sync()
 
     # ------------------------------------------------------------------ optimizer plumbing
@@ -674,6 +709,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 },
                 "buffer_all": self._buffer_all,
                 "found_inf": self._found_inf,
+                "unfolded": self._unfolded,
             }
         state[_STATE_KEY] = {
             "version": 1,
@@ -759,6 +795,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for i, b in window["buffer"].items():
                 self._buffer.sums[params[i]] = b.to(device=params[i].device, copy=True)
         self._buffer_all = self._buffer_all or bool(window.get("buffer_all", False))
+        self._unfolded = int(window.get("unfolded", 0))
         self._update_sync()
         found = window["found_inf"]
         self._found_inf = None if found is None else found.clone()
@@ -791,6 +828,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 [p.grad for p in params] if self.micro_step else None,
                 self._buffer,
                 self._found_inf,
+                self._unfolded,
             ),
         }
 
@@ -821,6 +859,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             grads,
             self._buffer,
             self._found_inf,
+            self._unfolded,
         ) = state["window"]
         if grads is not None:
             for p, g in zip(_grads.params_of(self.param_groups), grads):

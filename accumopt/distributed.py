@@ -85,6 +85,13 @@ class GradSync:
         self.all_reduces += 1
         return float(t.item())
 
+    def any_rank(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """For each flag, whether it is True on any rank (one all-reduce)."""
+        t = torch.tensor(flags, dtype=torch.float32, device=device)
+        dist.all_reduce(t, group=self.group)
+        self.all_reduces += 1
+        return [bool(v > 0) for v in t.tolist()]
+
     @torch.no_grad()
     def sum_grads(self, grads: list[Tensor]) -> None:
         """Sum every dense gradient over the ranks, in place, in one flattened all-reduce per

@@ -224,7 +224,13 @@ class MicroBatchRunner:
     def _forward_backward(self, piece: Any, rows: int) -> tuple[Tensor, float, Any]:
         loss, items, out = _parse(self.loss_fn(piece), rows)
         if self.loss_reduction == "mean":
-            loss = loss * items
+            if items == 0:
+                # a mean over no item is 0/0, whose gradient is NaN; its sum is 0: backpropagate
+                # an exact zero through the parameters instead (every gradient written, as 0)
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                loss = sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
+            else:
+                loss = loss * items
         scaler = self.optimizer.scaler
         scaled = scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss
         self.optimizer.backward(scaled, items=items)

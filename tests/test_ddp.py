@@ -216,3 +216,40 @@ def test_ddp_auto_micro_batch_size_backs_off_together_when_one_rank_runs_out() -
     assert_matches(results, reference("equal", weighted=True))
     stats = [r[1] for r in results]
     assert stats[0] == stats[1] and stats[0]["size"] <= 5  # the same search on both ranks
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.used = nn.Linear(3, 1, dtype=torch.float64)
+        self.unused = nn.Linear(3, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_worker(rank: int, kwargs: dict[str, Any]) -> list[float]:
+    from accumopt import Accumulate
+
+    net = WithUnused()
+    before = net.unused.weight.detach().clone()
+    ddp = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    opt = Accumulate(torch.optim.AdamW(ddp.parameters(), lr=0.1), model=ddp, **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.backward(ddp(torch.randn(4, 3, generator=g, dtype=torch.float64)).pow(2).sum(), items=4)
+        if opt.will_update:
+            assert net.unused.weight.grad is None
+        opt.step()
+        opt.zero_grad()
+    return [float((net.unused.weight - before).abs().max()), float(opt.updates)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kwargs", [{"every": 2}, {"every_items": 16}, {"every": 2, "buffer": True}]
+)
+def test_ddp_parameter_unused_on_every_rank_keeps_no_gradient(kwargs: dict[str, Any]) -> None:
+    for moved, updates in run_ranks(unused_worker, kwargs, world_size=WORLD):
+        assert moved == 0.0 and updates == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -141,4 +142,86 @@ def test_rebuilding_the_wrapper_mid_window_leaves_the_new_one_exact() -> None:
         opt.step()
         opt.zero_grad()
     assert opt.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_gated_amp_recipe_with_skip_micro_batch_keeps_training() -> None:
+    """PyTorch's gated AMP recipe leaves finished micro-steps in .grad: a bad micro-batch then
+    cannot be told apart, and the GradScaler skips its window, instead of every later
+    micro-step being judged non-finite forever."""
+    torch.manual_seed(58)
+    model = nn.Linear(3, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        every=2,
+        scaler=scaler,
+        nonfinite="skip_micro_batch",
+    )
+    for i in range(8):
+        x = torch.randn(4, 3)
+        if i == 1:
+            x[0, 0] = float("inf")
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if opt.will_update:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    assert opt.updates == 3 and opt.micro_step == 0  # the window with the inf was skipped
+
+
+def test_drop_micro_step_refuses_when_finished_micro_steps_are_in_grad() -> None:
+    model = mlp(59)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=scaler, buffer=True
+    )
+    x, y = data(59, 2)
+    scaler.scale(mse_sum(model, x, y)).backward()  # gated recipe: no scaler.step yet
+    with pytest.raises(RuntimeError, match=r"scaler.step\(opt\) after every backward"):
+        opt.drop_micro_step()
+    opt2 = Accumulate(torch.optim.SGD(mlp(59).parameters(), lr=0.1), every=1, buffer=True)
+    m2 = [g["params"] for g in opt2.param_groups]
+    assert m2
+    loss = sum(p.sum() for p in opt2.param_groups[0]["params"])
+    loss.backward()  # closes the window (every=1)
+    with pytest.raises(RuntimeError, match="the window is complete"):
+        opt2.drop_micro_step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"nonfinite": "raise", "scaler": torch.amp.GradScaler("cpu")}, "every loss-scale"),
+        ({"nonfinite": "skip_micro_batch", "model": nn.Linear(1, 1)}, "disagree on the window"),
+    ],
+)
+def test_per_micro_batch_policies_refused_where_they_cannot_work(
+    kwargs: dict, pattern: str
+) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Accumulate(torch.optim.SGD(mlp(60).parameters(), lr=0.1), every=2, **kwargs)
+
+
+def test_runner_mean_loss_with_a_zero_item_micro_batch_is_finite() -> None:
+    from accumopt import MicroBatchRunner
+
+    ref, model = twins(mlp(61))
+    x, y = data(61, 6)
+    weight = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # rows 2-3: no item carries a loss
+
+    def masked_mean(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> Any:
+        per_row = ((m(xb) - yb) ** 2).sum(1) * wb
+        return per_row.sum() / wb.sum(), wb.sum()
+
+    loss_ref, _n_ref = masked_mean(ref, x, y, weight)
+    loss_ref.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    runner = MicroBatchRunner(
+        acc, lambda b: masked_mean(model, *b), micro_batch_size=2, loss_reduction="mean"
+    )
+    mean = runner((x, y, weight))
+    assert torch.isfinite(mean)
+    torch.testing.assert_close(mean, loss_ref.detach())
     assert_same_params(model, ref)
