@@ -40,16 +40,6 @@ def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
 
 
 @torch.no_grad()
-def mul_(grads: list[Tensor], factor: Tensor) -> None:
-    """Multiply every gradient in place by the 0-dim tensor ``factor`` (no host sync)."""
-    dense, sparse = _split_sparse(grads)
-    if dense:
-        torch._foreach_mul_(dense, factor)
-    for g in sparse:
-        g.mul_(factor)
-
-
-@torch.no_grad()
 def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
     """Divide every gradient in place by the loss scale and report inf/NaN, without a host sync.
 
