@@ -151,7 +151,7 @@ def test_runner_with_grad_scaler_under_oom() -> None:
 
 
 def test_size_search_reaches_the_limit_with_few_failures() -> None:
-    """The figures of the auto-sizing issue, on the pure search: >= 0.95 L within 15 failures."""
+    """The auto-size targets, on the pure search: >= 0.95 L within 15 failed attempts."""
     for limit in (37, 100, 1000, 3000):
         sizer = MicroBatchSizer(4096)
         found = 0
