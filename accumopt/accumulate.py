@@ -400,8 +400,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """Route every parameter through the window buffer from now on (``buffer=True``).
 
         Gradients already accumulated in ``.grad`` are folded into the buffer first, so this
-        may be called mid-window, between micro-steps. Used by the micro-batch runner before
-        it retries after an out-of-memory error.
+        may be called mid-window, between micro-steps. ``MicroBatchRunner`` with
+        ``micro_batch_size="auto"`` calls it when it is built, so that a micro-batch that runs
+        out of memory can be dropped alone.
 
         Raises:
             RuntimeError: the wrapper was built with ``buffer=False``.
