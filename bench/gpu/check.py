@@ -307,7 +307,7 @@ def verdict(ok: bool) -> str:
 def table(tests: str, plan: Plan, a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """(c): one short table, a row per check."""
     outcome = {"passed": "PASS", "failed": "FAIL"}.get(tests.split(" ", 1)[0], "-")
-    rows = [["CUDA tests (run.sh)", tests, "pass", outcome]]
+    rows = [["test suite, CUDA tests included (run.sh)", tests, "pass", outcome]]
     if a is None:
         rows.append(["(a) overhead", "ERROR (see above)", f"<= {OVERHEAD_TARGET}", "FAIL"])
     else:
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, simulated OOM")
     parser.add_argument("--out", type=Path, help="where check.json goes (default: a temp dir)")
-    parser.add_argument("--tests", default="not run", help="the CUDA tests' outcome (run.sh)")
+    parser.add_argument("--tests", default="not run", help="the test suite's outcome (run.sh)")
     args = parser.parse_args(argv)
     plan = DRY if args.dry_run else GPU
     if plan.device == "cuda" and not torch.cuda.is_available():
