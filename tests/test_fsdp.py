@@ -24,16 +24,19 @@ from test_ddp import EVERY, WINDOWS, WORLD, layout, make_opt, model_and_data, re
 
 def worker(rank: int, mode: str) -> list[list[float]]:
     """One rank: train the FSDP2-sharded model; the gathered full parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from accumopt import Accumulate
 
     base, x, y = model_and_data()
     model = copy.deepcopy(base)
+    # an explicit CPU mesh: without it, FSDP2 on a machine with a GPU moves the shards there
+    mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     kwargs: dict[str, Any] = {"every": EVERY}
     if mode == "items":
         rows = sum(b - a for r in layout("uneven")[0] for a, b in r)
