@@ -124,6 +124,17 @@ def check_buffer(buffer: object) -> bool | None:
     return buffer
 
 
+def check_model(model: object) -> torch.nn.Module | None:
+    """Validate ``model`` (None or a ``torch.nn.Module``)."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"Accumulate: model is a {type(model).__qualname__}; expected the torch.nn.Module "
+            "whose outputs the losses are computed from (plain, DistributedDataParallel or "
+            "fully_shard-ed), or None."
+        )
+    return model
+
+
 NONFINITE_POLICIES = (None, "skip_window", "skip_micro_batch", "raise")
 
 

@@ -7,6 +7,7 @@ sparse gradients, which the foreach kernels do not take, are handled one by one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -29,12 +30,38 @@ def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return dense, sparse
 
 
+_TENSOR_DIVISOR = (torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def _cpu_scalar(value: float, dtype: torch.dtype) -> Tensor:
+    """A 0-dim CPU tensor holding ``value`` (cached: a window's divisor rarely changes)."""
+    return torch.tensor(value, dtype=dtype)
+
+
 @torch.no_grad()
 def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
-    """Divide every gradient in place by ``divisor`` (a Python number or a 0-dim tensor)."""
+    """Divide every gradient in place by ``divisor`` (a Python number or a 0-dim tensor).
+
+    On the CPU a Python number is turned into one 0-dim tensor per dtype group of float32 or
+    float64 gradients: torch's CPU foreach kernels take that overload 2-4x faster than a
+    number, with bit-identical results (the number is rounded to the gradients' dtype either
+    way). Other dtypes divide by the number itself (a bf16/fp16 gradient is not divided by a
+    divisor rounded to bf16/fp16), and so do accelerators (a new device tensor would cost a
+    host-to-device copy; their foreach kernels are fused anyway).
+    """
     dense, sparse = _split_sparse(grads)
-    if dense:
+    if dense and isinstance(divisor, Tensor):
         torch._foreach_div_(dense, divisor)
+    elif dense:
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for g in dense:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), tensors in groups.items():
+            if device.type == "cpu" and dtype in _TENSOR_DIVISOR:
+                torch._foreach_div_(tensors, _cpu_scalar(float(divisor), dtype))
+            else:
+                torch._foreach_div_(tensors, divisor)
     for g in sparse:
         g.div_(divisor)
 

@@ -18,7 +18,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from accumopt import _checks, _grads
 from accumopt._backward_counter import BackwardCounter
 from accumopt._window_buffer import WindowBuffer
-from accumopt.distributed import GradSync
+from accumopt.distributed import GradSync, is_distributed
 
 _STATE_KEY = "accumopt"
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
@@ -94,7 +94,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             ``LossScaleOptimizer``). ``"raise"``: drop it and raise ``FloatingPointError``
             naming the micro-step. The per-micro-batch policies check every backward pass
             (one host sync each) and use the window buffer.
-        model: the ``DistributedDataParallel`` model, under ``torch.distributed``. Micro-steps
+        model: the model whose outputs the losses are computed from (optional; any
+            ``nn.Module``). When given, backward passes are counted where they enter the
+            tensors that ``model(...)`` returns (one hook per forward call) instead of at every
+            parameter (one hook per parameter per backward pass, about 0.7 us each on a CPU):
+            the cheaper way for models with many parameter tensors. A backward pass that
+            reaches the wrapped parameters only by another way (say, a penalty computed from
+            the parameters alone) is then not counted, and the next :meth:`step` raises.
+            Under ``torch.distributed`` pass the ``DistributedDataParallel`` model: micro-steps
             inside a window then skip DDP's all-reduce (``no_sync``), and the window's
             gradient is the mean over the micro-steps (or items) of *all* ranks: item counts
             are summed across ranks (one small all-reduce per weighted micro-step), so the
@@ -127,7 +134,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ValueError: ``every``/``every_items`` both or neither given, or not positive;
             ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite;
             ``nonfinite`` not one of the policies; ``buffer`` not None/True/False.
-        TypeError: ``model`` is not a ``DistributedDataParallel`` model.
+        TypeError: ``model`` is not an ``nn.Module``.
 
     References:
         Gradient accumulation with a window of micro-steps follows optax ``MultiSteps``;
@@ -145,6 +152,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     _weighted: bool | None
     _closed: bool
     _found_inf: Tensor | None
+    _buffered: list[Tensor] | None
 
     def __init__(
         self,
@@ -167,13 +175,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
+        self.model = _checks.check_model(model)
         if self.nonfinite == "raise" and self.scaler is not None:
             raise ValueError(
                 "Accumulate: nonfinite='raise' with a GradScaler would raise on every loss-scale "
                 "overflow (the scaler backs off only when it sees the inf); expected "
                 "nonfinite='skip_micro_batch' or 'skip_window' under AMP."
             )
-        if model is not None and self.nonfinite in _PER_MICRO_BATCH:
+        if is_distributed(model) and self.nonfinite in _PER_MICRO_BATCH:
             raise ValueError(
                 f"Accumulate: nonfinite={nonfinite!r} with model= (torch.distributed) would let "
                 "the ranks drop different micro-steps and disagree on the window; expected "
@@ -196,7 +205,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.skipped_micro_steps = 0
         self.did_update = False
         self._buffer = WindowBuffer()
-        self._sync = GradSync(model) if model is not None else None
+        self._sync = GradSync(model) if is_distributed(model) else None  # type: ignore[arg-type]
         self.reduce_every_micro_step = bool(reduce_every_micro_step)
         self._synced = False  # whether DDP's reducer synchronised the last backward pass
         self._buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
@@ -208,10 +217,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._reset_window()
         self._stepped = True  # no backward pass waits for a step()
         self._pending_items: float | None = None
+        self._awaiting_end = False  # inside opt.backward(), until its pass is counted
         self._counter = BackwardCounter(self._on_backward_end)
-        self._counter.watch(_grads.params_of(self.param_groups))
-        if self._sync is not None and self._sync.fsdp:
-            self._counter.watch_outputs(self._sync.module)
+        if self.model is None:
+            self._counter.watch(_grads.params_of(self.param_groups))
+        else:
+            self._counter.watch_outputs(self.model)
 
     # ------------------------------------------------------------------ public properties
 
@@ -235,7 +246,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 micro-batch (``reduction="sum"`` in the loss function); the window's gradient
                 is then the accumulated sum divided by the window's total ``items``. Without
                 ``items``, the same as ``loss.backward()``. Under AMP pass
-                ``scaler.scale(loss)``.
+                ``scaler.scale(loss)``. The call is always exactly one micro-step, also when
+                the pass reaches no wrapped parameter (with ``model=``: no model output).
             items: how many items (samples, or tokens that carry a loss) ``loss`` covers: a
                 Python number or a one-element tensor (read once, one host sync; pass a
                 Python number to avoid it). May be 0.
@@ -253,15 +265,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._check_micro_step_kind(weighted=weight is not None)
         except (RuntimeError, ValueError) as err:
             raise type(err)(f"{err} Nothing was accumulated by this call.") from None
-        self._pending_items = weight
+        self._pending_items, self._awaiting_end = weight, True
         try:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
-            if self._pending_items is not None:
-                # The loss reached no wrapped parameter (e.g. a micro-batch without items that
-                # carry a loss): its items still count, its gradient is zero.
+            if self._awaiting_end:
+                # The loss reached no wrapped parameter (say, a micro-batch without items that
+                # carry a loss) or, with model=, none of the model's outputs: it is still one
+                # micro-step, its items count, its gradient is zero.
                 self._on_backward_end()
         finally:
-            self._pending_items = None
+            self._pending_items, self._awaiting_end = None, False
 
     def _check_micro_step_kind(self, weighted: bool) -> None:
         if self._closed:
@@ -287,7 +300,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step; close the window when it is full."""
-        items, self._pending_items = self._pending_items, None
+        items, self._pending_items, self._awaiting_end = self._pending_items, None, False
         weighted = items is not None
         try:
             self._check_micro_step_kind(weighted)
@@ -332,11 +345,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         ):
             self._close_window()
         else:
-            if self._loss_scale() is None:  # under AMP, step() folds with its own loss scale
-                self._buffer.fold(self._buffered_params(), None)
+            if self.scaler is not None and self._loss_scale() is not None:
+                self._unfolded += 1  # under AMP, step() folds with its own loss scale
             else:
-                self._unfolded += 1
-            self._update_sync()
+                self._buffer.fold(self._buffered_params(), None)
+            if self._sync is not None:
+                self._update_sync()
 
     def _micro_step_is_nonfinite(self) -> bool:
         """Per-micro-batch policies: drop a micro-step whose fresh gradient is not finite.
@@ -419,18 +433,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "alone; expected a DDP or single-process model for OOM recovery."
             )
         if not self._buffer_all:
-            self._buffer_all = True
+            self._buffer_all, self._buffered = True, None
             if self.micro_step and not self._closed and self._loss_scale() is None:
                 self._buffer.fold(_grads.params_of(self.param_groups), None)
             self._update_sync()
 
     def _buffered_params(self) -> list[Tensor]:
-        if self.buffer is False:
-            return []
-        params = _grads.params_of(self.param_groups)
-        if self._buffer_all:
-            return params
-        return [p for p in params if p.dtype in _LOW_PRECISION]
+        """The parameters whose micro-steps go to the window buffer (listed once a window)."""
+        params = self._buffered
+        if params is None:
+            params = _grads.params_of(self.param_groups)
+            if self.buffer is False:
+                params = []
+            elif not self._buffer_all:
+                params = [p for p in params if p.dtype in _LOW_PRECISION]
+            self._buffered = params
+        return params
 
     def _close_window(self) -> None:
         """Turn the window's sum (buffer + ``.grad``) into its gradient, in ``.grad``."""
@@ -528,14 +546,18 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             or _global_optimizer_pre_hooks
             or _global_optimizer_post_hooks
         )
-        if self._closed or hooks:
+        if hooks:
             return self._profiled_step(closure)
-        return self._step(closure)
+        amp = "found_inf" in self.__dict__
+        if self._closed or self._stepped or self._drop_at_step or closure is not None or amp:
+            return self._step(closure)
+        self._stepped, self.did_update = True, False  # a plain micro-step inside the window
+        return None
 
     # Optimizer.__init__ wraps the class's step() in its profiler/hook wrapper unless it is
-    # marked as hooked. That wrapper costs ~30 us per call (a record_function scope), several
-    # times a small model's micro-step; it is kept for real updates and whenever step hooks
-    # exist, and skipped on the plain micro-steps inside a window.
+    # marked as hooked. That wrapper costs ~30 us per call (a record_function scope), a good
+    # part of a small model's micro-step; it runs whenever step hooks exist (they run in it),
+    # and is skipped otherwise: the inner optimizer's step() keeps its own profiler scope.
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: None = None) -> None:
@@ -583,12 +605,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "each micro-step is unscaled with its own loss scale."
             )
         if self._stepped:
+            if self.model is None:
+                hint = (
+                    "Check that the loss depends on the wrapped parameters; parameters that "
+                    "were frozen when the wrapper was built are counted from the next real "
+                    "zero_grad() on."
+                )
+            else:
+                hint = (
+                    f"With model= a backward pass is counted when it reaches an output of the "
+                    f"{type(self.model).__qualname__} given: check that the loss is computed "
+                    "from model(...)'s outputs, or use opt.backward(loss) for other losses."
+                )
             raise RuntimeError(
                 "Accumulate.step: no backward pass since the last step(); expected one "
                 "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
-                "step(). (Check that the loss depends on the wrapped parameters; parameters "
-                "that were frozen when the wrapper was built are counted from the next real "
-                "zero_grad() on.)"
+                f"step(). ({hint})"
             )
         if self._closed and not amp and self._loss_scale() is not None:
             raise RuntimeError(
@@ -658,10 +690,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """
         if self.micro_step == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
-            # once per window: start counting parameters unfrozen since the last look
-            self._counter.watch(_grads.params_of(self.param_groups))
+            if self.model is None:  # once per window: count parameters unfrozen since then
+                self._counter.watch(_grads.params_of(self.param_groups))
 
     def _reset_window(self) -> None:
+        self._buffered = None  # listed again each window: parameter dtypes may change
         self.micro_step = 0
         self.items = 0.0
         self._weighted = None
@@ -680,7 +713,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         inner.add_param_group(param_group)
-        self._counter.watch(self.param_groups[-1]["params"])
+        self._buffered = None
+        if self.model is None:
+            self._counter.watch(self.param_groups[-1]["params"])
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus one ``"accumopt"`` entry.
@@ -796,6 +831,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             for i, b in window["buffer"].items():
                 self._buffer.sums[params[i]] = b.to(device=params[i].device, copy=True)
         self._buffer_all = self._buffer_all or bool(window.get("buffer_all", False))
+        self._buffered = None
         self._unfolded = int(window.get("unfolded", 0))
         self._update_sync()
         found = window["found_inf"]
@@ -815,7 +851,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             "buffer": self.buffer,
             "nonfinite": self.nonfinite,
             "buffer_all": self._buffer_all,
-            "model": self._sync.module if self._sync is not None else None,
+            "model": self.model,
             "reduce_every_micro_step": self.reduce_every_micro_step,
             "skipped_micro_steps": self.skipped_micro_steps,
             "updates": self.updates,
@@ -847,7 +883,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             model=state["model"],
             reduce_every_micro_step=state["reduce_every_micro_step"],
         )
-        self._buffer_all = state["buffer_all"]
+        self._buffer_all, self._buffered = state["buffer_all"], None
         self.skipped_micro_steps = state["skipped_micro_steps"]
         self.updates = state["updates"]
         self.did_update = state["did_update"]

@@ -27,6 +27,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule
 
 
+def is_distributed(module: nn.Module | None) -> bool:
+    """Whether ``module`` synchronises gradients across ranks (DDP, or an FSDP2 root)."""
+    return isinstance(module, (nn.parallel.DistributedDataParallel, FSDPModule))
+
+
 class GradSync:
     """Switch a DDP or FSDP2 model's gradient synchronisation, and reduce across ranks.
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import importlib
 import logging
@@ -61,6 +62,7 @@ from accumopt import Accumulate
 Batches = list[tuple[Tensor, Tensor]]
 Window = Callable[[], None]
 HAND = "hand loop"
+ACCUMOPT_MODEL = "accumopt, model="
 TRAINER = "Lightning Trainer"
 LR = 1e-4
 
@@ -134,9 +136,14 @@ def hand_window(model: nn.Module, batches: Batches) -> Window:
     return window
 
 
-def accumopt_window(model: nn.Module, batches: Batches) -> Window:
-    """``Accumulate(SGD, every=k)``: backward, step and zero on every micro-batch."""
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=len(batches))
+def accumopt_window(model: nn.Module, batches: Batches, *, given: bool = False) -> Window:
+    """``Accumulate(SGD, every=k)``: backward, step and zero on every micro-batch; with
+    ``given``, ``model=model`` too (backward passes counted at the model's outputs)."""
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        every=len(batches),
+        model=model if given else None,
+    )
 
     def window() -> None:
         for x, y in batches:
@@ -209,6 +216,7 @@ def mbp_window(model: nn.Module, batches: Batches) -> Window:
 CONTENDERS: dict[str, tuple[str | None, Callable[[nn.Module, Batches], Window]]] = {
     HAND: (None, hand_window),
     "accumopt": (None, accumopt_window),
+    ACCUMOPT_MODEL: (None, functools.partial(accumopt_window, given=True)),
     "Accelerate": ("accelerate", accelerate_window),
     "Lightning Fabric": ("lightning", fabric_window),
     "mbp-pytorch": ("mbp", mbp_window),

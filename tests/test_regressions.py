@@ -69,9 +69,11 @@ def test_rejected_scaler_step_leaves_no_stale_loss_scale() -> None:
     assert_same_params(model, ref)
 
 
-def test_ddp_default_settings_keep_the_window_division(tmp_path: object) -> None:
+@pytest.mark.parametrize("given", [False, True])
+def test_ddp_default_settings_keep_the_window_division(tmp_path: object, given: bool) -> None:
     """DDP copies reduced buckets into .grad in its own end-of-backward callback; the window's
-    division must come after it (one-process gloo group, default DDP settings)."""
+    division must come after it (one-process gloo group, default DDP settings), whether the
+    wrapper knows the DDP model or not."""
     store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -79,7 +81,9 @@ def test_ddp_default_settings_keep_the_window_division(tmp_path: object) -> None
         ddp = nn.parallel.DistributedDataParallel(model)
         x, y = data(53, 8)
         full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
-        acc = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3)
+        acc = Accumulate(
+            torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp if given else None
+        )
         for xb, yb in zip(x.split([3, 3, 2]), y.split([3, 3, 2])):
             acc.backward(mse_sum(ddp, xb, yb), items=len(xb))
             acc.step()
@@ -189,18 +193,29 @@ def test_drop_micro_step_refuses_when_finished_micro_steps_are_in_grad() -> None
         opt2.drop_micro_step()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "pattern"),
-    [
-        ({"nonfinite": "raise", "scaler": torch.amp.GradScaler("cpu")}, "every loss-scale"),
-        ({"nonfinite": "skip_micro_batch", "model": nn.Linear(1, 1)}, "disagree on the window"),
-    ],
-)
-def test_per_micro_batch_policies_refused_where_they_cannot_work(
-    kwargs: dict, pattern: str
-) -> None:
-    with pytest.raises(ValueError, match=pattern):
-        Accumulate(torch.optim.SGD(mlp(60).parameters(), lr=0.1), every=2, **kwargs)
+def test_per_micro_batch_policies_refused_where_they_cannot_work(tmp_path: object) -> None:
+    with pytest.raises(ValueError, match="every loss-scale"):
+        Accumulate(
+            torch.optim.SGD(mlp(60).parameters(), lr=0.1),
+            every=2,
+            nonfinite="raise",
+            scaler=torch.amp.GradScaler("cpu"),
+        )
+    plain = mlp(60)  # a plain model= only moves the counting to its outputs
+    Accumulate(torch.optim.SGD(plain.parameters(), lr=0.1), every=2, nonfinite="raise", model=plain)
+    store = dist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(mlp(60))
+        with pytest.raises(ValueError, match="disagree on the window"):
+            Accumulate(
+                torch.optim.SGD(ddp.parameters(), lr=0.1),
+                every=2,
+                nonfinite="skip_micro_batch",
+                model=ddp,
+            )
+    finally:
+        dist.destroy_process_group()
 
 
 def test_runner_mean_loss_with_a_zero_item_micro_batch_is_finite() -> None:
