@@ -24,17 +24,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
+from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 
 class BackwardCounter:
-    """Call ``on_end()`` once at the end of each backward pass that reaches a watched parameter.
+    """Call ``on_end()`` once at the end of each backward pass that accumulates gradients into
+    a watched parameter.
 
     Args:
-        on_end: called with no arguments from the autograd engine's final callback, after every
-            gradient of the backward pass has been accumulated into ``.grad``. An exception it
-            raises propagates out of ``loss.backward()``.
+        on_end: a bound method, called with no arguments from the autograd engine's final
+            callback, after every gradient of the backward pass has been accumulated into
+            ``.grad``. An exception it raises propagates out of ``loss.backward()``. Its
+            object is held weakly.
+        module: where to count. ``None``: at the parameters (one post-accumulate-grad hook per
+            watched parameter, run on every backward pass that reaches it). A module: at the
+            tensors its forward calls return (one node pre-hook per output per call); a pass
+            through them counts when it will accumulate into a watched parameter (asked of the
+            engine for their ``AccumulateGrad`` nodes, one call in the usual case), so
+            ``torch.autograd.grad`` and ``backward(inputs=...)`` without the parameters are
+            not counted.
+        confirm_accumulation: with a module, whether to ask the engine as above. ``False``
+            (FSDP2, whose sharded parameters are not in the graph) counts every pass through
+            the outputs, ``torch.autograd.grad`` included.
 
     Caveat:
         Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
@@ -42,7 +55,13 @@ class BackwardCounter:
         (torch's recommended setting).
     """
 
-    def __init__(self, on_end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_end: Callable[[], None],
+        module: nn.Module | None = None,
+        *,
+        confirm_accumulation: bool = True,
+    ) -> None:
         # Holding the bound method would make owner -> counter -> owner a reference cycle,
         # keeping a dropped owner alive (and counting) until the next garbage collection: keep
         # the owner weakly and the plain function.
@@ -51,9 +70,12 @@ class BackwardCounter:
         queued_in = [-1]  # id of the graph task whose end callback is queued
         task_id = torch._C._current_graph_task_id
         queue = Variable._execution_engine.queue_callback
+        will_execute = torch._C._will_engine_execute_node
+        # the watched parameters' AccumulateGrad nodes (counting at a module's outputs)
+        nodes: list[Node] | None = [] if module is not None and confirm_accumulation else None
 
-        # Three closures built once; per backward pass they cost one Python call per watched
-        # tensor (a task-id lookup and a comparison) and two engine callbacks.
+        # Closures built once: per backward pass they cost one Python call per hooked tensor
+        # (a task-id lookup and a comparison) and two engine callbacks.
         def end() -> None:
             owner = owner_ref()
             if owner is not None:
@@ -66,34 +88,49 @@ class BackwardCounter:
             # Re-queue once, so on_end runs after them and sees the final .grad.
             queue(end)
 
+        def accumulates() -> bool:
+            """Whether the running pass will accumulate into a watched parameter."""
+            if nodes is None:
+                return True
+            for node in nodes:  # the first node answers, unless its parameter is unused
+                try:
+                    if will_execute(node):
+                        return True
+                except RuntimeError:  # torch.autograd.grad() taking this parameter as input
+                    return False
+            return False
+
         def hook(_: object) -> None:
             # Keyed by graph task: a backward pass that died (say, out of memory) never runs
             # its callback, and must not stop the next one from being counted.
             task = task_id()
             if queued_in[0] != task:
                 queued_in[0] = task
-                queue(fire)
+                if accumulates():
+                    queue(fire)
 
         self._hook = hook
+        self._nodes = nodes
+        self._module = module
         self._handles: list[RemovableHandle] = []
         self._watched: set[int] = set()
         weakref.finalize(self, _remove_all, self._handles)
+        if module is not None:
+            self._handles.append(module.register_forward_hook(self._on_forward()))
 
     def watch(self, params: Iterable[Tensor]) -> None:
-        """Hook every parameter of ``params`` that requires grad (idempotent per parameter)."""
-        hook = self._hook
+        """Count backward passes into every parameter of ``params`` that requires grad
+        (idempotent per parameter; call again for parameters unfrozen or added since)."""
         for p in params:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+                if self._module is None:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))  # type: ignore[no-untyped-call]
+                elif self._nodes is not None:
+                    self._nodes.append(get_gradient_edge(p).node)
 
-    def watch_outputs(self, module: nn.Module) -> None:
-        """Also count backward passes that reach ``module``'s outputs.
-
-        For FSDP2 models: inside a window they keep gradients unsharded and internal, so no
-        parameter's ``.grad`` is written and no post-accumulate hook fires. A forward hook
-        registers the counting hook on every output tensor that requires grad.
-        """
+    def _on_forward(self) -> _OutputHook:
+        """The module's forward hook: a counting pre-hook on every output's autograd node."""
         hook = self._hook
 
         def pre_hook(grad_outputs: Any) -> None:  # a node pre-hook gets the output grads
@@ -108,12 +145,40 @@ class BackwardCounter:
                     else:  # cheaper than Tensor.register_hook (no Python hook dict)
                         node.register_prehook(pre_hook)
 
-        self._handles.append(module.register_forward_hook(on_forward))
+        return _OutputHook(on_forward)
 
     def remove(self) -> None:
         """Remove every hook; the counter then sees no more backward passes."""
         _remove_all(self._handles)
         self._watched.clear()
+        if self._nodes is not None:
+            self._nodes.clear()
+
+
+class _OutputHook:
+    """The forward hook put on the model. A copy of the model (``copy.deepcopy``, pickling, as
+    when the wrapper itself is copied) gets an inert hook instead: a copy must not count into
+    this counter, and a copied wrapper hooks its own copy of the model."""
+
+    def __init__(self, on_forward: Callable[[nn.Module, Any, Any], None]) -> None:
+        self.on_forward = on_forward
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.on_forward(module, args, output)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert_hook, ()
+
+
+def _inert(*_: Any) -> None:
+    """The forward hook a copied model keeps in place of a counting one."""
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _inert
 
 
 def _remove_all(handles: list[RemovableHandle]) -> None:

@@ -98,9 +98,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             ``nn.Module``). When given, backward passes are counted where they enter the
             tensors that ``model(...)`` returns (one hook per forward call) instead of at every
             parameter (one hook per parameter per backward pass, about 0.7 us each on a CPU):
-            the cheaper way for models with many parameter tensors. A backward pass that
-            reaches the wrapped parameters only by another way (say, a penalty computed from
-            the parameters alone) is then not counted, and the next :meth:`step` raises.
+            the cheaper way for models with many parameter tensors. A pass through the outputs
+            counts when it accumulates into a wrapped parameter (``torch.autograd.grad`` does
+            not, as without ``model=``; under FSDP2 every pass through the outputs counts). A
+            backward pass that reaches the wrapped parameters only by another way (say, a
+            penalty computed from the parameters alone) is not counted, and the next
+            :meth:`step` raises; ``opt.backward(loss)`` always counts.
             Under ``torch.distributed`` pass the ``DistributedDataParallel`` model: micro-steps
             inside a window then skip DDP's all-reduce (``no_sync``), and the window's
             gradient is the mean over the micro-steps (or items) of *all* ranks: item counts
@@ -218,11 +221,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._stepped = True  # no backward pass waits for a step()
         self._pending_items: float | None = None
         self._awaiting_end = False  # inside opt.backward(), until its pass is counted
-        self._counter = BackwardCounter(self._on_backward_end)
-        if self.model is None:
-            self._counter.watch(_grads.params_of(self.param_groups))
-        else:
-            self._counter.watch_outputs(self.model)
+        fsdp = self._sync is not None and self._sync.fsdp
+        self._counter = BackwardCounter(
+            self._on_backward_end, self.model, confirm_accumulation=not fsdp
+        )
+        self._counter.watch(_grads.params_of(self.param_groups))
 
     # ------------------------------------------------------------------ public properties
 
@@ -690,8 +693,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         """
         if self.micro_step == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
-            if self.model is None:  # once per window: count parameters unfrozen since then
-                self._counter.watch(_grads.params_of(self.param_groups))
+            # once per window: count parameters unfrozen since the last look
+            self._counter.watch(_grads.params_of(self.param_groups))
 
     def _reset_window(self) -> None:
         self._buffered = None  # listed again each window: parameter dtypes may change
@@ -714,8 +717,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             return
         inner.add_param_group(param_group)
         self._buffered = None
-        if self.model is None:
-            self._counter.watch(self.param_groups[-1]["params"])
+        self._counter.watch(self.param_groups[-1]["params"])
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus one ``"accumopt"`` entry.

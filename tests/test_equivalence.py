@@ -52,25 +52,35 @@ def hidden_model(seed: int, width: int, depth: int) -> nn.Module:
     opt_name=st.sampled_from(sorted(OPTIMIZERS)),
     by_items=st.booleans(),
     n=st.integers(1, 20),
+    given_model=st.booleans(),
     data_=st.data(),
 )
 def test_item_weighted_windows_equal_full_batch(
-    seed: int, width: int, depth: int, opt_name: str, by_items: bool, n: int, data_: st.DataObject
+    seed: int,
+    width: int,
+    depth: int,
+    opt_name: str,
+    by_items: bool,
+    n: int,
+    given_model: bool,
+    data_: st.DataObject,
 ) -> None:
     """Ragged micro-batches through opt.backward(loss_sum, items=n) equal the full batch.
 
     The window is given in items (``every_items=n``: each window has its own number of
     micro-batches) or, when every window happens to have the same count, in micro-steps.
+    Backward passes are counted at the parameters or (``given_model``) at the model's outputs.
     """
     windows = data_.draw(windows_of(n, data_.draw(st.integers(1, 3))))
     ref, acc_model = twins(hidden_model(seed, width, depth))
     ref_opt = OPTIMIZERS[opt_name](list(ref.parameters()))
     inner = OPTIMIZERS[opt_name](list(acc_model.parameters()))
     counts = {len(sizes) for sizes in windows}
+    model = acc_model if given_model else None
     if by_items or len(counts) > 1:
-        acc = Accumulate(inner, every_items=n)
+        acc = Accumulate(inner, every_items=n, model=model)
     else:
-        acc = Accumulate(inner, every=counts.pop())
+        acc = Accumulate(inner, every=counts.pop(), model=model)
     for w, sizes in enumerate(windows):
         x, y = data(seed + w, n)
         full_batch_step(ref, ref_opt, x, y)
@@ -90,14 +100,20 @@ def test_item_weighted_windows_equal_full_batch(
     every=st.integers(1, 6),
     micro=st.integers(1, 5),
     n_windows=st.integers(1, 3),
+    given_model=st.booleans(),
 )
 def test_plain_backward_of_equal_micro_batches_equals_full_batch(
-    seed: int, opt_name: str, every: int, micro: int, n_windows: int
+    seed: int, opt_name: str, every: int, micro: int, n_windows: int, given_model: bool
 ) -> None:
-    """The README loop: mean loss per micro-batch, loss.backward(), every=k."""
+    """The README loop: mean loss per micro-batch, loss.backward(), every=k (counted at the
+    parameters, or at the model's outputs with ``model=``)."""
     ref, acc_model = twins(mlp(seed))
     ref_opt = OPTIMIZERS[opt_name](list(ref.parameters()))
-    acc = Accumulate(OPTIMIZERS[opt_name](list(acc_model.parameters())), every=every)
+    acc = Accumulate(
+        OPTIMIZERS[opt_name](list(acc_model.parameters())),
+        every=every,
+        model=acc_model if given_model else None,
+    )
     for w in range(n_windows):
         x, y = data(seed + w, every * micro)
         full_batch_step(ref, ref_opt, x, y)

@@ -1,0 +1,193 @@
+"""Accumulate(..., model=m): backward passes counted at the model's outputs (float64).
+
+The counting moves from one hook per parameter to one node pre-hook per model output; what
+counts must not change: passes that accumulate into the wrapped parameters count once each,
+``torch.autograd.grad`` and ``backward(inputs=...)`` without the parameters do not.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import weakref
+
+import pytest
+import torch
+from helpers import assert_same_params, data, full_batch_step, mlp, mse_sum, twins
+from torch import nn
+
+from accumopt import Accumulate
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_no_parameter_hooks_and_the_same_update_as_counting_at_parameters() -> None:
+    base = mlp(80)
+    a, b = twins(base)
+    at_params = Accumulate(sgd(a), every=3)
+    at_outputs = Accumulate(sgd(b), every=3, model=b)
+    assert all(not p._post_accumulate_grad_hooks for p in b.parameters())
+    x, y = data(80, 9)
+    for xb, yb in zip(x.split(3), y.split(3)):
+        for model, opt in ((a, at_params), (b, at_outputs)):
+            (mse_sum(model, xb, yb) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+    assert at_params.updates == at_outputs.updates == 1
+    assert_same_params(a, b, rtol=0, atol=0)
+
+
+def test_gradient_penalty_through_autograd_grad_counts_one_micro_step() -> None:
+    """WGAN-GP style: autograd.grad through the model's outputs inside each micro-step."""
+    ref, model = twins(mlp(81))
+    x, y = data(81, 8)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = Accumulate(sgd(model), every=4, model=model)
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        xb = xb.clone().requires_grad_(True)
+        out = m(xb)
+        (g,) = torch.autograd.grad(out.sum(), xb, create_graph=True)
+        return ((out - yb) ** 2).sum() + g.pow(2).sum()
+
+    ref_opt.zero_grad()
+    (sum(loss(ref, xb, yb) for xb, yb in zip(x.split(2), y.split(2))) / 4).backward()
+    ref_opt.step()
+    for i, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
+        loss(model, xb, yb).backward()
+        assert acc.micro_step == i + 1
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_autograd_grad_of_the_parameters_is_not_counted() -> None:
+    model = mlp(82)
+    acc = Accumulate(sgd(model), every=2, model=model)
+    x, y = data(82, 2)
+    torch.autograd.grad(mse_sum(model, x, y), list(model.parameters()))
+    assert acc.micro_step == 0
+    with pytest.raises(RuntimeError, match="no backward pass since the last step"):
+        acc.step()
+
+
+def test_backward_into_the_inputs_only_is_not_counted() -> None:
+    model = mlp(83)
+    acc = Accumulate(sgd(model), every=2, model=model)
+    x, y = data(83, 2)
+    x.requires_grad_(True)
+    mse_sum(model, x, y).backward(inputs=[x])
+    assert acc.micro_step == 0 and x.grad is not None
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_penalty_outside_the_outputs_is_refused_unless_given_to_opt_backward() -> None:
+    model = mlp(84)
+    acc = Accumulate(sgd(model), every=2, model=model)
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    penalty.backward()  # reaches the parameters, not the outputs: not counted
+    with pytest.raises(RuntimeError, match="With model= a backward pass is counted"):
+        acc.step()
+    acc.discard()
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    acc.backward(penalty)  # always one micro-step
+    assert acc.micro_step == 1
+
+
+def test_two_forward_calls_in_one_pass_count_once_and_retain_graph_counts_each_pass() -> None:
+    model = mlp(85)
+    acc = Accumulate(sgd(model), every=3, model=model)
+    x, y = data(85, 4)
+    (mse_sum(model, x[:2], y[:2]) + mse_sum(model, x[2:], y[2:])).backward()
+    assert acc.micro_step == 1
+    acc.step()
+    out = model(x)
+    ((out - y) ** 2).sum().backward(retain_graph=True)
+    assert acc.micro_step == 2
+    acc.step()
+    out.abs().sum().backward()
+    assert acc.will_update and acc.micro_step == 3
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads, returning a dict; a frozen first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(86)
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.trunk = nn.Linear(4, 5)
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.trunk(self.frozen(x)))
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+@pytest.mark.parametrize("heads", [("a",), ("b",), ("a", "b")])
+def test_dict_outputs_frozen_layers_and_unused_heads(heads: tuple[str, ...]) -> None:
+    ref, model = twins(TwoHeads())
+    acc = Accumulate(sgd(model), every=2, model=model)
+    ref_opt = sgd(ref)
+    x, y = data(86, 4)
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        out = m(xb)
+        return sum((((out[h] - yb) ** 2).sum() for h in heads), torch.zeros(()))
+
+    ref_opt.zero_grad()
+    (loss(ref, x, y) / 4).backward()
+    ref_opt.step()
+    for xb, yb in zip(x.split(2), y.split(2)):
+        acc.backward(loss(model, xb, yb), items=2)
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_compiled_model_given_as_model() -> None:
+    ref, model = twins(mlp(87))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ref_opt = sgd(ref)
+    acc = Accumulate(sgd(model), every=2, model=compiled)
+    x, y = data(87, 6)
+    full_batch_step(ref, ref_opt, x, y)
+    for xb, yb in zip(x.split(3), y.split(3)):
+        (mse_sum(compiled, xb, yb) / 3).backward()
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_dropped_wrapper_removes_its_forward_hook() -> None:
+    model = mlp(88)
+    old = Accumulate(sgd(model), every=1, model=model)
+    ref = weakref.ref(old)
+    del old
+    assert ref() is None and not model._forward_hooks
+
+
+def test_deepcopy_and_pickle_keep_counting_at_the_outputs() -> None:
+    model = mlp(89)
+    acc = Accumulate(sgd(model), every=2, model=model)
+    x, y = data(89, 2)
+    mse_sum(model, x, y).backward()
+    acc.step()
+    for clone in (copy.deepcopy(acc), pickle.loads(pickle.dumps(acc))):
+        assert clone.micro_step == 1 and clone.model is not model
+        params = [p for g in clone.param_groups for p in g["params"]]
+        assert {id(p) for p in clone.model.parameters()} == {id(p) for p in params}
+        mse_sum(clone.model, x, y).backward()
+        assert clone.will_update and acc.micro_step == 1  # the original did not count it
+        assert len(clone.model._forward_hooks) == 2  # an inert copy and the clone's own
+
+
+def test_model_of_the_wrong_type_is_a_type_error() -> None:
+    model = mlp(90)
+    with pytest.raises(TypeError, match=r"expected the torch\.nn\.Module"):
+        Accumulate(sgd(model), every=2, model=model.parameters())  # type: ignore[arg-type]
