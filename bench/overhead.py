@@ -6,7 +6,9 @@ micro-batches per optimizer step, with plain SGD:
 
 - **hand loop**: ``(loss / k).backward()`` on every micro-batch, step and zero every k;
 - **accumopt**: ``loss.backward(); opt.step(); opt.zero_grad()`` on every micro-batch, with
-  ``Accumulate(SGD, every=k)``;
+  ``Accumulate(SGD, every=k)`` (backward passes counted at the parameters);
+- **accumopt, model=**: the same loop with ``Accumulate(SGD, every=k, model=model)`` (counted at
+  the model's outputs);
 - **Accelerate**: ``Accelerator(cpu=True, gradient_accumulation_steps=k)``, ``prepare``d model
   and optimizer, ``with accelerator.accumulate(model):`` around forward, ``accelerator.backward``,
   ``opt.step()`` and ``opt.zero_grad()`` on every micro-batch;
