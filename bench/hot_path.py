@@ -1,0 +1,168 @@
+"""Where a micro-step's time goes: the pieces of accumopt's hot path, timed one by one.
+
+Each line of the table is the difference between two loops run interleaved (rotating order,
+garbage collection off, 1 torch thread), as a median over rounds, so that machine noise hits
+both sides alike:
+
+- ``loss / k`` in the hand loop: ``(loss / k).backward()`` against ``loss.backward()``, per
+  micro-step (tiny MLP);
+- one hook call per parameter tensor: ``loss.backward()`` with a no-op post-accumulate-grad hook
+  on every parameter against none, per pass and per tensor (50 x Linear(16, 16));
+- a pre-hook on the output's autograd node, registered in a forward hook (what ``model=``
+  does): against none, per pass (tiny MLP);
+- accumopt's own bookkeeping inside a window: ``step()`` and ``zero_grad()``, and the
+  end-of-backward callback body, called directly;
+- the boundary division of 100 CPU gradients by a Python number against a cached 0-dim tensor.
+
+Run: ``python bench/hot_path.py [--rounds 200]``. Not part of ``run_all.py``; the figures
+quoted in RESULTS.md come from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+import timeit
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from _common import markdown_table, quartiles
+from torch import Tensor, nn
+
+from accumopt import Accumulate
+
+K = 8
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def hundred() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(50)])
+
+
+def batches(model: nn.Module, width: int) -> list[tuple[Tensor, Tensor]]:
+    out = model(torch.zeros(1, width)).shape[-1]
+    return [(torch.randn(32, width), torch.randn(32, out)) for _ in range(K)]
+
+
+def passes(model: nn.Module, data: list[tuple[Tensor, Tensor]], scale: bool) -> Callable[[], None]:
+    """k forward and backward passes (``loss / k`` when ``scale``), no optimizer."""
+
+    def run() -> None:
+        for x, y in data:
+            loss = F.mse_loss(model(x), y)
+            (loss / K if scale else loss).backward()
+
+    return run
+
+
+def difference_us(a: Callable[[], None], b: Callable[[], None], rounds: int) -> float:
+    """Median over interleaved rounds of (time of a - time of b) / k, in microseconds."""
+    diffs = []
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds + 3):
+            times = {}
+            for name, f in (("a", a), ("b", b)) if r % 2 else (("b", b), ("a", a)):
+                start = time.perf_counter()
+                f()
+                times[name] = time.perf_counter() - start
+            if r >= 3:
+                diffs.append((times["a"] - times["b"]) / K * 1e6)
+    finally:
+        gc.enable()
+    return quartiles(diffs)[1]
+
+
+def noop(*_: object) -> None:
+    """A hook that does nothing."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = []
+
+    small = tiny()
+    data = batches(small, 32)
+    hand_us = difference_us(passes(small, data, True), passes(small, data, False), args.rounds)
+    plain = passes(small, data, False)
+    per_pass = difference_us(plain, lambda: None, args.rounds)
+    rows.append(["`loss / k` in the hand loop (tiny MLP)", f"{hand_us:.1f} us per micro-step"])
+    rows.append(["one tiny-MLP forward and backward pass, for scale", f"{per_pass:.0f} us"])
+
+    big = hundred()
+    data100 = batches(big, 16)
+    hooked = copy.deepcopy(big)
+    for p in hooked.parameters():
+        p.register_post_accumulate_grad_hook(noop)  # type: ignore[no-untyped-call]
+    hooks_us = difference_us(
+        passes(hooked, data100, False), passes(big, data100, False), args.rounds
+    )
+    rows.append(
+        [
+            "a no-op hook on each of 100 parameter tensors",
+            f"{hooks_us:.1f} us per pass, {hooks_us / 100:.2f} us per tensor",
+        ]
+    )
+
+    with_pre = copy.deepcopy(small)
+
+    def pre_hook_on_output(_: nn.Module, __: object, out: Tensor) -> None:
+        out.grad_fn.register_prehook(noop)  # type: ignore[union-attr]
+
+    with_pre.register_forward_hook(pre_hook_on_output)
+    pre_us = difference_us(passes(with_pre, data, False), plain, args.rounds)
+    rows.append(["a pre-hook on the output's autograd node (tiny MLP)", f"{pre_us:.1f} us/pass"])
+
+    model = tiny()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=10**9)
+    F.mse_loss(model(data[0][0]), data[0][1]).backward()
+    opt.step()
+    n = 50_000
+
+    def bookkeeping() -> None:
+        opt._stepped = False  # as after a counted backward pass
+        opt.step()
+        opt.zero_grad()
+
+    rows.append(
+        [
+            "accumopt `step()` + `zero_grad()` inside a window",
+            f"{timeit.timeit(bookkeeping, number=n) / n * 1e6:.2f} us",
+        ]
+    )
+    rows.append(
+        [
+            "accumopt end-of-backward bookkeeping",
+            f"{timeit.timeit(opt._on_backward_end, number=n) / n * 1e6:.2f} us",
+        ]
+    )
+
+    grads = [p.detach().clone() for p in big.parameters()]
+    divisor = torch.tensor(8.0)
+    m = 2000
+    number = timeit.timeit(lambda: torch._foreach_div_(grads, 8.0), number=m) / m * 1e6
+    tensor = timeit.timeit(lambda: torch._foreach_div_(grads, divisor), number=m) / m * 1e6
+    rows.append(
+        [
+            "boundary division of 100 CPU gradients",
+            f"by a number {number:.0f} us, by a 0-dim tensor {tensor:.0f} us",
+        ]
+    )
+    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, k = {K}\n")
+    print(markdown_table(["piece", "cost"], rows))
+
+
+if __name__ == "__main__":
+    main()
