@@ -124,13 +124,23 @@ def check_buffer(buffer: object) -> bool | None:
     return buffer
 
 
-def check_model(model: object) -> torch.nn.Module | None:
-    """Validate ``model`` (None or a ``torch.nn.Module``)."""
-    if model is not None and not isinstance(model, torch.nn.Module):
+def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+    """Validate ``model``: None, or a ``torch.nn.Module`` holding some of the optimizer's
+    parameters."""
+    if model is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"Accumulate: model is a {type(model).__qualname__}; expected the torch.nn.Module "
             "whose outputs the losses are computed from (plain, DistributedDataParallel or "
             "fully_shard-ed), or None."
+        )
+    wrapped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in wrapped for p in model.parameters()):
+        raise ValueError(
+            f"Accumulate: the {type(model).__qualname__} given as model= holds none of the "
+            "optimizer's parameters; expected the model whose parameters the optimizer "
+            "updates (the one whose outputs the losses are computed from)."
         )
     return model
 

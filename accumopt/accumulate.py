@@ -138,6 +138,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             ``reduction`` not "mean"/"sum"; ``max_grad_norm`` not positive and finite;
             ``nonfinite`` not one of the policies; ``buffer`` not None/True/False.
         TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``model`` holds none of the optimizer's parameters.
 
     References:
         Gradient accumulation with a window of micro-steps follows optax ``MultiSteps``;
@@ -178,7 +179,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
-        self.model = _checks.check_model(model)
+        self.model = _checks.check_model(model, inner)
         if self.nonfinite == "raise" and self.scaler is not None:
             raise ValueError(
                 "Accumulate: nonfinite='raise' with a GradScaler would raise on every loss-scale "
@@ -282,7 +283,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _check_micro_step_kind(self, weighted: bool) -> None:
         if self._closed:
             raise RuntimeError(
-                f"Accumulate: the window closed after {self.micro_step} micro-steps and step() "
+                f"Accumulate: the window closed after {self.micro_step} micro-step(s) and step() "
                 "has not been called since; expected step() after every backward pass (call "
                 "opt.step() before the next backward)."
             )

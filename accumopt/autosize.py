@@ -90,7 +90,12 @@ class MicroBatchSizer:
                 else ("larger" if size > self.current else "smaller")
             )
             self.history.append((key, size, reason))
-            logger.info("accumopt: micro-batch size %s -> %d (shape %s)", self.current, size, key)
+            if self.current is None:
+                logger.info("accumopt: micro-batch size starts at %d (shape %s)", size, key)
+            else:
+                logger.info(
+                    "accumopt: micro-batch size %d -> %d (shape %s)", self.current, size, key
+                )
             self.current = size
         return min(size, available)
 

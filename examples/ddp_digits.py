@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(
             f"{world} ranks x {args.every} micro-batches of {args.micro_batch} = effective "
             f"batch {world * args.every * args.micro_batch}; {opt.updates} updates, "
-            f"{reduces['n']} DDP all-reduces; held-out accuracy {accuracy:.4f}"
+            f"{reduces['n']} DDP all-reduces (one per full window; each epoch's flush() of its "
+            f"partial window is summed by accumopt itself); held-out accuracy {accuracy:.4f}"
         )
     dist.destroy_process_group()
     return result

@@ -191,3 +191,9 @@ def test_model_of_the_wrong_type_is_a_type_error() -> None:
     model = mlp(90)
     with pytest.raises(TypeError, match=r"expected the torch\.nn\.Module"):
         Accumulate(sgd(model), every=2, model=model.parameters())  # type: ignore[arg-type]
+
+
+def test_model_that_holds_none_of_the_parameters_is_refused() -> None:
+    model = mlp(91)
+    with pytest.raises(ValueError, match="holds none of the optimizer's parameters"):
+        Accumulate(sgd(model), every=2, model=mlp(92))
