@@ -40,19 +40,22 @@ class BackwardCounter:
             object is held weakly.
         module: where to count. ``None``: at the parameters (one post-accumulate-grad hook per
             watched parameter, run on every backward pass that reaches it). A module: at the
-            tensors its forward calls return (one node pre-hook per output per call); a pass
-            through them counts when it will accumulate into a watched parameter (asked of the
-            engine for their ``AccumulateGrad`` nodes, one call in the usual case), so
-            ``torch.autograd.grad`` and ``backward(inputs=...)`` without the parameters are
-            not counted.
+            tensors its forward calls return (one node pre-hook per output per call; for a
+            view, on its base's node, which an in-place change of the view keeps in the
+            graph); a pass through them counts when it will accumulate into a watched
+            parameter (see :class:`_Accumulators`), so ``torch.autograd.grad`` and
+            ``backward(inputs=...)`` without the parameters are not counted. Outputs are found
+            with ``torch.utils._pytree`` (tensors in tuples, lists, dicts and registered
+            containers).
         confirm_accumulation: with a module, whether to ask the engine as above. ``False``
             (FSDP2, whose sharded parameters are not in the graph) counts every pass through
             the outputs, ``torch.autograd.grad`` included.
 
     Caveat:
         Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
-        runs nested backward passes, each of which would be counted; use ``use_reentrant=False``
-        (torch's recommended setting).
+        runs nested backward passes: counting at the parameters counts each of them, counting
+        at a module's outputs sees only the outer one (and misses parameters used only inside
+        the checkpointed part). Use ``use_reentrant=False`` (torch's recommended setting).
     """
 
     def __init__(
@@ -67,15 +70,14 @@ class BackwardCounter:
         # the owner weakly and the plain function.
         owner_ref = weakref.ref(on_end.__self__)  # type: ignore[attr-defined]
         function = on_end.__func__  # type: ignore[attr-defined]
-        queued_in = [-1]  # id of the graph task whose end callback is queued
+        queued: set[int] = set()  # graph tasks whose end callback is queued
         task_id = torch._C._current_graph_task_id
         queue = Variable._execution_engine.queue_callback
-        will_execute = torch._C._will_engine_execute_node
-        # the watched parameters' AccumulateGrad nodes (counting at a module's outputs)
-        nodes: list[Node] | None = [] if module is not None and confirm_accumulation else None
+        confirm = module is not None and confirm_accumulation
+        accumulators = _Accumulators() if confirm else None
 
         # Closures built once: per backward pass they cost one Python call per hooked tensor
-        # (a task-id lookup and a comparison) and two engine callbacks.
+        # (a task-id lookup and a set test) and two engine callbacks.
         def end() -> None:
             owner = owner_ref()
             if owner is not None:
@@ -88,32 +90,24 @@ class BackwardCounter:
             # Re-queue once, so on_end runs after them and sees the final .grad.
             queue(end)
 
-        def accumulates() -> bool:
-            """Whether the running pass will accumulate into a watched parameter."""
-            if nodes is None:
-                return True
-            for node in nodes:  # the first node answers, unless its parameter is unused
-                try:
-                    if will_execute(node):
-                        return True
-                except RuntimeError:  # torch.autograd.grad() taking this parameter as input
-                    return False
-            return False
-
         def hook(_: object) -> None:
             # Keyed by graph task: a backward pass that died (say, out of memory) never runs
-            # its callback, and must not stop the next one from being counted.
+            # its callback, and must not stop the next one from being counted; a nested pass
+            # (reentrant checkpointing) must not make its outer pass count twice.
             task = task_id()
-            if queued_in[0] != task:
-                queued_in[0] = task
-                if accumulates():
+            if task not in queued:
+                if len(queued) > 64:  # ids of finished passes (ids only grow)
+                    queued.clear()
+                queued.add(task)
+                if accumulators is None or accumulators.any_will_run():
                     queue(fire)
 
         self._hook = hook
-        self._nodes = nodes
+        self._accumulators = accumulators
         self._module = module
         self._handles: list[RemovableHandle] = []
         self._watched: set[int] = set()
+        self._hooked_leaves: set[int] = set()
         weakref.finalize(self, _remove_all, self._handles)
         if module is not None:
             self._handles.append(module.register_forward_hook(self._on_forward()))
@@ -126,24 +120,32 @@ class BackwardCounter:
                 self._watched.add(id(p))
                 if self._module is None:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook))  # type: ignore[no-untyped-call]
-                elif self._nodes is not None:
-                    self._nodes.append(get_gradient_edge(p).node)
+                elif self._accumulators is not None:
+                    self._accumulators.add(p)
 
     def _on_forward(self) -> _OutputHook:
         """The module's forward hook: a counting pre-hook on every output's autograd node."""
-        hook = self._hook
+        # no reference to self: the module would keep the counter (and its hooks) alive
+        hook, handles, hooked_leaves = self._hook, self._handles, self._hooked_leaves
+        grad_enabled = torch.is_grad_enabled
 
         def pre_hook(grad_outputs: Any) -> None:  # a node pre-hook gets the output grads
             hook(grad_outputs)
 
         def on_forward(_: nn.Module, __: Any, output: Any) -> None:
+            if not grad_enabled():  # no graph, nothing to count (eval, no_grad)
+                return
             for leaf in (output,) if isinstance(output, Tensor) else pytree.tree_leaves(output):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    node = leaf.grad_fn
-                    if node is None:  # a leaf tensor returned as it is
-                        leaf.register_hook(hook)  # type: ignore[no-untyped-call]
-                    else:  # cheaper than Tensor.register_hook (no Python hook dict)
+                    # an in-place change of a returned view replaces the view's node, not
+                    # its base's history
+                    target = leaf if leaf._base is None else leaf._base
+                    node = target.grad_fn
+                    if node is not None:  # cheaper than Tensor.register_hook
                         node.register_prehook(pre_hook)
+                    elif id(target) not in hooked_leaves:  # a parameter returned as it is
+                        hooked_leaves.add(id(target))
+                        handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
         return _OutputHook(on_forward)
 
@@ -151,8 +153,55 @@ class BackwardCounter:
         """Remove every hook; the counter then sees no more backward passes."""
         _remove_all(self._handles)
         self._watched.clear()
-        if self._nodes is not None:
-            self._nodes.clear()
+        self._hooked_leaves.clear()
+        if self._accumulators is not None:
+            self._accumulators.clear()
+
+
+class _Accumulators:
+    """The watched parameters' ``AccumulateGrad`` nodes, to ask the engine whether the running
+    backward pass will accumulate into any of them (``torch._C._will_engine_execute_node``).
+
+    The usual pass answers with the first node asked: the parameter that answered last is
+    asked first. A node goes stale when its parameter's data changes dtype or device
+    (``model.half()``, ``.to(device)``: torch then gives the parameter a new accumulator): a
+    node that says no is refreshed when its parameter's dtype or device differs from what was
+    seen, and the first one always (it answered yes last time; a round trip such as
+    ``model.float().double()`` leaves dtype and device as they were).
+    ``torch.autograd.grad`` taking a parameter as input makes the engine refuse the question:
+    such a pass accumulates nothing.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Tensor, Node, torch.dtype, torch.device]] = []
+
+    def add(self, param: Tensor) -> None:
+        """Watch ``param`` (a leaf that requires grad)."""
+        self.entries.append((param, get_gradient_edge(param).node, param.dtype, param.device))
+
+    def clear(self) -> None:
+        """Forget every parameter."""
+        self.entries.clear()
+
+    def any_will_run(self) -> bool:
+        """Whether the running backward pass will accumulate into a watched parameter."""
+        will_execute = torch._C._will_engine_execute_node
+        entries = self.entries
+        for i, (param, node, dtype, device) in enumerate(entries):
+            if not param.requires_grad:  # frozen since
+                continue
+            try:
+                runs = will_execute(node)
+                if not runs and (i == 0 or param.dtype != dtype or param.device != device):
+                    entries[i] = (param, get_gradient_edge(param).node, param.dtype, param.device)
+                    runs = will_execute(entries[i][1])
+            except RuntimeError:  # torch.autograd.grad() taking this parameter as input
+                return False
+            if runs:
+                if i:
+                    entries.insert(0, entries.pop(i))
+                return True
+        return False
 
 
 class _OutputHook:

@@ -135,6 +135,12 @@ def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Mod
             "whose outputs the losses are computed from (plain, DistributedDataParallel or "
             "fully_shard-ed), or None."
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "Accumulate: model is a TorchScript module, which cannot carry the forward hook "
+            "that counts at its outputs; expected an eager or torch.compile-d module, or no "
+            "model= (counting at the parameters)."
+        )
     wrapped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not any(id(p) in wrapped for p in model.parameters()):
         raise ValueError(

@@ -609,17 +609,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "each micro-step is unscaled with its own loss scale."
             )
         if self._stepped:
-            if self.model is None:
-                hint = (
-                    "Check that the loss depends on the wrapped parameters; parameters that "
-                    "were frozen when the wrapper was built are counted from the next real "
-                    "zero_grad() on."
-                )
-            else:
-                hint = (
-                    f"With model= a backward pass is counted when it reaches an output of the "
-                    f"{type(self.model).__qualname__} given: check that the loss is computed "
-                    "from model(...)'s outputs, or use opt.backward(loss) for other losses."
+            hint = (
+                "Check that the loss depends on the wrapped parameters; parameters that were "
+                "frozen when the wrapper was built are counted from the next real zero_grad() on."
+            )
+            if self.model is not None:
+                hint += (
+                    f" With model= a backward pass is counted when it reaches a tensor returned "
+                    f"by the {type(self.model).__qualname__} given (in a tuple, list or dict): "
+                    "check that the loss is computed from model(...)'s outputs, or use "
+                    "opt.backward(loss) for other losses."
                 )
             raise RuntimeError(
                 "Accumulate.step: no backward pass since the last step(); expected one "

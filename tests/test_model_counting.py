@@ -197,3 +197,100 @@ def test_model_that_holds_none_of_the_parameters_is_refused() -> None:
     model = mlp(91)
     with pytest.raises(ValueError, match="holds none of the optimizer's parameters"):
         Accumulate(sgd(model), every=2, model=mlp(92))
+
+
+class ViewOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(93)
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[:, :3]  # a view
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_returned_view_changed_in_place_is_counted(given: bool) -> None:
+    ref, model = twins(ViewOut())
+    acc = Accumulate(sgd(model), every=2, model=model if given else None)
+    ref_opt = sgd(ref)
+    x, y = data(93, 4)
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        out = m(xb)
+        out.div_(2.0)  # a temperature applied in place
+        return ((out - yb) ** 2).sum()
+
+    ref_opt.zero_grad()
+    (loss(ref, x, y) / 4).backward()
+    ref_opt.step()
+    for xb, yb in zip(x.split(2), y.split(2)):
+        (loss(model, xb, yb) / 2).backward()
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+class ParamOut(nn.Module):
+    """Returns a parameter as it is (a learned log-variance)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(94)
+        self.lin, self.log_var = nn.Linear(4, 3), nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.log_var
+
+
+def test_a_returned_parameter_is_hooked_once_and_released_with_the_wrapper() -> None:
+    model = ParamOut()
+    acc = Accumulate(sgd(model), every=2, model=model)
+    with torch.no_grad():
+        for _ in range(5):
+            model(torch.randn(2, 4))
+    for _ in range(5):
+        model(torch.randn(2, 4))
+    assert len(model.log_var._backward_hooks or {}) == 1
+    _, log_var = model(torch.randn(2, 4))
+    log_var.sum().backward()  # reaches only the returned parameter
+    assert acc.micro_step == 1
+    ref = weakref.ref(acc)
+    del acc
+    assert ref() is None and not model.log_var._backward_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("change", ["dtype", "back and forth"])
+def test_counting_survives_a_dtype_change_of_the_model(change: str) -> None:
+    model = mlp(95)
+    acc = Accumulate(sgd(model), every=2, model=model)
+    model.float()
+    if change == "back and forth":
+        model.double()
+    dtype = torch.float32 if change == "dtype" else torch.float64
+    x, y = (t.to(dtype) for t in data(95, 2))
+    for _ in range(2):
+        mse_sum(model, x, y).backward()
+        acc.step()
+    assert acc.updates == 1
+
+
+def test_reentrant_checkpointing_counts_the_outer_pass_once() -> None:
+    """Counting at the parameters: the outer pass and the nested one, each once (before, the
+    nested pass made the outer one count twice)."""
+    torch.manual_seed(96)
+    emb, block, head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+    params = [*emb.parameters(), *block.parameters(), *head.parameters()]
+    acc = Accumulate(torch.optim.SGD(params, lr=0.1), every=10)
+    x, y = data(96, 2)
+    out = head(torch.utils.checkpoint.checkpoint(block, emb(x), use_reentrant=True))
+    ((out - y) ** 2).sum().backward()
+    assert acc.micro_step == 2
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script itself
+def test_torchscript_model_is_a_clear_type_error() -> None:
+    model = torch.jit.script(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="TorchScript"):
+        Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, model=model)
