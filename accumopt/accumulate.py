@@ -270,6 +270,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         except (RuntimeError, ValueError) as err:
             raise type(err)(f"{err} Nothing was accumulated by this call.") from None
         self._pending_items, self._awaiting_end = weight, True
+        self._counter.rearm()
         try:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
             if self._awaiting_end:
@@ -410,6 +411,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         for p in _grads.params_of(self.param_groups):
             p.grad = None
         self._pending_items = None
+        self._counter.rearm()
         if self._uncommitted is not None:
             self._uncommitted = None
             self._stepped = True
@@ -611,7 +613,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._stepped:
             hint = (
                 "Check that the loss depends on the wrapped parameters; parameters that were "
-                "frozen when the wrapper was built are counted from the next real zero_grad() on."
+                "frozen when the wrapper was built are counted from the next real zero_grad() "
+                "on. If a backward pass failed part-way (say, out of memory), its partial "
+                "gradient is in .grad and counting is paused: call opt.discard(), or "
+                "opt.drop_micro_step() with the window buffer, then go on."
             )
             if self.model is not None:
                 hint += (
@@ -678,7 +683,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return self.did_update
 
     def discard(self) -> None:
-        """Drop the open window: clear the gradients and the counters; the inner is untouched."""
+        """Drop the open window: clear the gradients and the counters; the inner is untouched.
+
+        Also the way out after a backward pass that failed part-way (say, out of memory): its
+        partial gradient went into ``.grad`` and counting is paused until this call (or
+        :meth:`drop_micro_step`, which keeps the finished micro-steps when the window buffer
+        holds them)."""
+        self._counter.rearm()
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
         self._stepped = True
@@ -695,6 +706,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
             # once per window: count parameters unfrozen since the last look
             self._counter.watch(_grads.params_of(self.param_groups))
+            self._counter.rearm()  # no gradient is left over from a pass that died
 
     def _reset_window(self) -> None:
         self._buffered = None  # listed again each window: parameter dtypes may change
@@ -819,6 +831,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.micro_step:
             self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
+        self._counter.rearm()
         self._stepped = True
         if window is None:
             return

@@ -8,8 +8,9 @@ both sides alike:
   micro-step (tiny MLP);
 - one hook call per parameter tensor: ``loss.backward()`` with a no-op post-accumulate-grad hook
   on every parameter against none, per pass and per tensor (50 x Linear(16, 16));
-- a pre-hook on the output's autograd node, registered in a forward hook (what ``model=``
-  does): against none, per pass (tiny MLP);
+- accumopt inside a window (backward, ``step()``, ``zero_grad()``; the window never closes)
+  against plain backward passes, counting at the parameters and at the outputs (``model=``),
+  on both models: all that counting costs, per pass;
 - accumopt's own bookkeeping inside a window: ``step()`` and ``zero_grad()``, and the
   end-of-backward callback body, called directly;
 - the boundary division of 100 CPU gradients by a Python number against a cached 0-dim tensor.
@@ -80,6 +81,21 @@ def difference_us(a: Callable[[], None], b: Callable[[], None], rounds: int) -> 
     return quartiles(diffs)[1]
 
 
+def window_inside(
+    model: nn.Module, opt: Accumulate, data: list[tuple[Tensor, Tensor]]
+) -> Callable[[], None]:
+    """k micro-steps of accumopt's loop inside one window (it never closes), then a discard."""
+
+    def run() -> None:
+        for x, y in data:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.discard()
+
+    return run
+
+
 def noop(*_: object) -> None:
     """A hook that does nothing."""
 
@@ -116,14 +132,21 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
 
-    with_pre = copy.deepcopy(small)
-
-    def pre_hook_on_output(_: nn.Module, __: object, out: Tensor) -> None:
-        out.grad_fn.register_prehook(noop)  # type: ignore[union-attr]
-
-    with_pre.register_forward_hook(pre_hook_on_output)
-    pre_us = difference_us(passes(with_pre, data, False), plain, args.rounds)
-    rows.append(["a pre-hook on the output's autograd node (tiny MLP)", f"{pre_us:.1f} us/pass"])
+    for name, model_, data_ in (("tiny MLP", small, data), ("100 tensors", big, data100)):
+        plain_ = passes(model_, data_, False)
+        for given in (False, True):
+            counted = copy.deepcopy(model_)
+            wrapper = Accumulate(
+                torch.optim.SGD(counted.parameters(), lr=0.0),
+                every=10**9,
+                model=counted if given else None,
+            )
+            inside = window_inside(counted, wrapper, data_)
+            us = difference_us(inside, plain_, args.rounds)
+            where = "outputs (`model=`)" if given else "parameters"
+            rows.append(
+                [f"accumopt inside a window, counting at the {where} ({name})", f"{us:.1f} us/pass"]
+            )
 
     model = tiny()
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=10**9)

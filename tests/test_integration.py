@@ -100,8 +100,9 @@ def test_10_shares_containers_with_inner_optimizer() -> None:
     assert "every=2" in repr(acc) and "AdamW" in repr(acc)
 
 
-def test_10_backward_that_fails_midway_does_not_block_counting() -> None:
-    """A backward pass that dies (e.g. out of memory) leaves the next one countable."""
+def test_10_backward_that_fails_midway_pauses_counting_until_dealt_with() -> None:
+    """A backward pass that dies (e.g. out of memory) leaves a partial gradient in .grad: the
+    passes after it are not counted (step() then says why) until discard() drops it."""
 
     class Boom(nn.Module):
         def __init__(self) -> None:
@@ -122,7 +123,15 @@ def test_10_backward_that_fails_midway_does_not_block_counting() -> None:
     model.fail = True
     with pytest.raises(RuntimeError, match="boom"):
         model(x).sum().backward()  # b's gradient was accumulated, then the pass died
-    assert acc.micro_step == 0
+    assert acc.micro_step == 0 and model.b.weight.grad is not None
     model.fail = False
     model(x).sum().backward()
-    assert acc.micro_step == 1
+    assert acc.micro_step == 0
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        acc.step()
+    acc.discard()
+    assert model.b.weight.grad is None
+    for _ in range(2):
+        model(x).sum().backward()
+        acc.step()
+    assert acc.updates == 1

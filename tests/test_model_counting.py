@@ -277,8 +277,8 @@ def test_counting_survives_a_dtype_change_of_the_model(change: str) -> None:
 
 
 def test_reentrant_checkpointing_counts_the_outer_pass_once() -> None:
-    """Counting at the parameters: the outer pass and the nested one, each once (before, the
-    nested pass made the outer one count twice)."""
+    """Counting at the parameters: the nested pass of the checkpointed block runs inside the
+    outer pass, after the head's gradient, and counts as part of it."""
     torch.manual_seed(96)
     emb, block, head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
     params = [*emb.parameters(), *block.parameters(), *head.parameters()]
@@ -286,7 +286,7 @@ def test_reentrant_checkpointing_counts_the_outer_pass_once() -> None:
     x, y = data(96, 2)
     out = head(torch.utils.checkpoint.checkpoint(block, emb(x), use_reentrant=True))
     ((out - y) ** 2).sum().backward()
-    assert acc.micro_step == 2
+    assert acc.micro_step == 1
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script itself
@@ -294,3 +294,26 @@ def test_torchscript_model_is_a_clear_type_error() -> None:
     model = torch.jit.script(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="TorchScript"):
         Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, model=model)
+
+
+def test_hooks_of_the_users_own_on_the_outputs_still_run_once() -> None:
+    model = mlp(97)
+    seen: list[str] = []
+
+    def users_forward_hook(_: nn.Module, __: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: seen.append("f"))
+
+    # registered first: the output already has hooks when the wrapper's forward hook runs
+    model.register_forward_hook(users_forward_hook)
+    acc = Accumulate(sgd(model), every=3, model=model)
+    x, y = data(97, 2)
+    out = model(x)
+    handle = out.register_hook(lambda g: seen.append("later"))  # after the wrapper's hook
+    ((out - y) ** 2).sum().backward()
+    assert seen == ["f", "later"] and acc.micro_step == 1
+    acc.step()
+    out = model(x)
+    out.register_hook(lambda g: seen.append("removed")).remove()
+    handle.remove()
+    ((out - y) ** 2).sum().backward()
+    assert seen == ["f", "later", "f"] and acc.micro_step == 2
