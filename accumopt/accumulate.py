@@ -39,8 +39,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             opt.zero_grad()   # clears .grad only after a real step
 
     **Counting.** Every backward pass that accumulates a gradient into one of the wrapped
-    parameters is one *micro-step* (counted by post-accumulate-grad hooks and an end-of-backward
-    callback; ``torch.autograd.grad`` is not counted). The window closes at the end of the
+    parameters is one *micro-step* (counted by post-accumulate-grad hooks, or with ``model=`` by
+    hooks on the model's outputs, and an end-of-backward callback; ``torch.autograd.grad`` is
+    not counted). A backward pass that fails part-way pauses counting until :meth:`discard` or
+    :meth:`drop_micro_step` drops its partial gradient. The window closes at the end of the
     backward pass that completes it, and ``.grad`` then already holds the window's gradient
     (the mean, see below), so code that inspects or clips gradients before :meth:`step` sees
     what it would see without accumulation; :attr:`will_update` tells whether the next

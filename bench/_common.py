@@ -91,14 +91,14 @@ def add_round_options(parser: argparse.ArgumentParser, unit: str) -> None:
     """``--quick``, ``--repeats``, ``--warmup`` and ``--k`` (``unit`` per optimizer step) of the
     interleaved timing scripts; :func:`round_counts` resolves the defaults."""
     parser.add_argument("--quick", action="store_true", help="7 rounds and 2 warm-up rounds")
-    parser.add_argument("--repeats", type=int, help="counted rounds (default 31; 7 with --quick)")
+    parser.add_argument("--repeats", type=int, help="counted rounds (default 61; 7 with --quick)")
     parser.add_argument("--warmup", type=int, help="rounds not counted (default 3; 2 with --quick)")
     parser.add_argument("--k", type=int, default=8, help=f"{unit} per optimizer step")
 
 
 def round_counts(args: argparse.Namespace) -> tuple[int, int]:
     """(counted rounds, warm-up rounds) from the options of :func:`add_round_options`."""
-    repeats = args.repeats if args.repeats is not None else (7 if args.quick else 31)
+    repeats = args.repeats if args.repeats is not None else (7 if args.quick else 61)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     return repeats, warmup
 

@@ -8,9 +8,10 @@ both sides alike:
   micro-step (tiny MLP);
 - one hook call per parameter tensor: ``loss.backward()`` with a no-op post-accumulate-grad hook
   on every parameter against none, per pass and per tensor (50 x Linear(16, 16));
-- accumopt inside a window (backward, ``step()``, ``zero_grad()``; the window never closes)
-  against plain backward passes, counting at the parameters and at the outputs (``model=``),
-  on both models: all that counting costs, per pass;
+- accumopt inside a window (backward, ``step()``, ``zero_grad()``; the window never closes,
+  and is discarded after k micro-steps) against k plain backward passes and one
+  ``zero_grad()``, counting at the parameters and at the outputs (``model=``), on both models:
+  all that counting costs, per pass;
 - accumopt's own bookkeeping inside a window: ``step()`` and ``zero_grad()``, and the
   end-of-backward callback body, called directly;
 - the boundary division of 100 CPU gradients by a Python number against a cached 0-dim tensor.
@@ -81,6 +82,20 @@ def difference_us(a: Callable[[], None], b: Callable[[], None], rounds: int) -> 
     return quartiles(diffs)[1]
 
 
+def passes_then_zero(
+    model: nn.Module, opt: torch.optim.Optimizer, data: list[tuple[Tensor, Tensor]]
+) -> Callable[[], None]:
+    """k plain forward and backward passes, then the optimizer's ``zero_grad()`` (the
+    baseline of :func:`window_inside`)."""
+    run_passes = passes(model, data, False)
+
+    def run() -> None:
+        run_passes()
+        opt.zero_grad()
+
+    return run
+
+
 def window_inside(
     model: nn.Module, opt: Accumulate, data: list[tuple[Tensor, Tensor]]
 ) -> Callable[[], None]:
@@ -133,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     for name, model_, data_ in (("tiny MLP", small, data), ("100 tensors", big, data100)):
-        plain_ = passes(model_, data_, False)
+        bare = copy.deepcopy(model_)
+        plain_ = passes_then_zero(bare, torch.optim.SGD(bare.parameters(), lr=0.0), data_)
         for given in (False, True):
             counted = copy.deepcopy(model_)
             wrapper = Accumulate(
