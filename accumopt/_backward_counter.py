@@ -25,6 +25,7 @@ at once, without waiting for a garbage collection.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -151,7 +152,9 @@ class BackwardCounter:
                     if node is not None and target._backward_hooks is None:
                         # Tensor.register_hook's two steps, without its RemovableHandle
                         # (a third of the cost; the graph, and the hook, die with the pass)
-                        target._backward_hooks = {-1: hook}  # handle ids are >= 0
+                        # an OrderedDict, as torch makes it: handles added later keep a
+                        # weak reference to it (handle ids are >= 0)
+                        target._backward_hooks = OrderedDict(((-1, hook),))
                         node._register_hook_dict(target)
                     elif node is not None:  # the tensor has hooks of its own: leave them be
                         node.register_prehook(pre_hook)
@@ -160,6 +163,12 @@ class BackwardCounter:
                         handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]
 
         return _OutputHook(on_forward)
+
+    @property
+    def paused(self) -> bool:
+        """Whether counting is paused: a backward pass began and never reached its end (it
+        died part-way), and nobody re-armed the counter since. Meaningful between passes."""
+        return not self._armed[0]
 
     def rearm(self) -> None:
         """Count the next backward pass again after one that died before its end (its partial

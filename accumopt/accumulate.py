@@ -262,7 +262,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``items`` negative, non-finite, not a number; a window mixes weighted
                 and unweighted micro-steps; an ``every_items`` window gets no ``items``.
-            RuntimeError: the window is complete and :meth:`step` has not been called yet.
+            RuntimeError: the window is complete and :meth:`step` has not been called yet; or
+                an earlier backward pass failed part-way and its partial gradient was not
+                dropped (:meth:`discard`, :meth:`drop_micro_step`).
             In every case nothing has been accumulated by the rejected call.
         """
         _checks.check_loss(loss)
@@ -271,8 +273,15 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._check_micro_step_kind(weighted=weight is not None)
         except (RuntimeError, ValueError) as err:
             raise type(err)(f"{err} Nothing was accumulated by this call.") from None
+        if self._counter.paused:
+            raise RuntimeError(
+                "Accumulate.backward: an earlier backward pass failed part-way (say, out of "
+                "memory) and its partial gradient is still in .grad; expected opt.discard() "
+                "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
+                "that micro-step alone) before the next micro-step. Nothing was accumulated by "
+                "this call."
+            )
         self._pending_items, self._awaiting_end = weight, True
-        self._counter.rearm()
         try:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
             if self._awaiting_end:

@@ -317,3 +317,69 @@ def test_hooks_of_the_users_own_on_the_outputs_still_run_once() -> None:
     handle.remove()
     ((out - y) ** 2).sum().backward()
     assert seen == ["f", "later", "f"] and acc.micro_step == 2
+
+
+def test_hooks_registered_on_outputs_after_the_wrapper_work() -> None:
+    """The wrapper's own hook dict on an output must take the user's later hooks (torch's
+    RemovableHandle keeps a weak reference to it) and their removal."""
+    model = mlp(98)
+    acc = Accumulate(sgd(model), every=3, model=model)
+    x, y = data(98, 2)
+    seen: list[str] = []
+    out = model(x)
+    handle = out.register_hook(lambda g: seen.append("tensor"))
+    torch.autograd.graph.register_multi_grad_hook([out], lambda gs: seen.append("multi"))
+    ((out - y) ** 2).sum().backward()
+    assert sorted(seen) == ["multi", "tensor"] and acc.micro_step == 1
+    acc.step()
+    out = model(x)
+    out.register_hook(lambda g: seen.append("removed")).remove()
+    handle.remove()
+    ((out - y) ** 2).sum().backward()
+    assert len(seen) == 2 and acc.micro_step == 2
+
+
+def test_runner_recovers_from_backward_oom_injected_after_the_wrapper_with_model() -> None:
+    from accumopt import MicroBatchRunner
+    from accumopt.testing import simulate_oom
+
+    ref, model = twins(mlp(99))
+    x, y = data(99, 12)
+    full_batch_step(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), x, y)
+    acc = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.01), every_items=12, model=model)
+    runner = MicroBatchRunner(acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum())
+    with simulate_oom(model, 5, where="backward"):  # the hook lands on the model's output
+        runner((x, y))
+    assert acc.updates == 1 and runner.ooms > 0
+    assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_opt_backward_after_a_pass_that_died_is_refused_until_it_is_dropped(given: bool) -> None:
+    ref, model = twins(mlp(100))
+    acc = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=1.0), every=2, model=model if given else None
+    )
+    x, y = data(100, 8)
+
+    def boom(_: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("simulated")
+
+    def arm_boom(_: nn.Module, __: object, out: torch.Tensor) -> None:
+        out.register_hook(boom)
+
+    handle = model[0].register_forward_hook(arm_boom)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x[:4]).sum().backward()  # dies after the last layer's .grad was written
+    handle.remove()
+    assert model[2].weight.grad is not None
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        acc.backward(mse_sum(model, x[:4], y[:4]), items=4)
+    acc.discard()
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=1.0), x, y)
+    for xb, yb in zip(x.split(4), y.split(4)):
+        acc.backward(mse_sum(model, xb, yb), items=4)
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
