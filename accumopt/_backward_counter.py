@@ -48,9 +48,9 @@ class BackwardCounter:
             object is held weakly.
         module: where to count. ``None``: at the parameters (one post-accumulate-grad hook per
             watched parameter, run on every backward pass that reaches it). A module: at the
-            tensors its forward calls return (one node pre-hook per output per call; for a
-            view, on its base's node, which an in-place change of the view keeps in the
-            graph); a pass through them counts when it will accumulate into a watched
+            tensors its forward calls return (one hook per output per call; for a view, on
+            its base, whose history an in-place change of the view keeps in the graph); a
+            pass through them counts when it will accumulate into a watched
             parameter (see :class:`_Accumulators`), so ``torch.autograd.grad`` and
             ``backward(inputs=...)`` without the parameters are not counted. Outputs are found
             with ``torch.utils._pytree`` (tensors in tuples, lists, dicts and registered
@@ -132,7 +132,7 @@ class BackwardCounter:
                     self._accumulators.add(p)
 
     def _on_forward(self) -> _OutputHook:
-        """The module's forward hook: a counting pre-hook on every output's autograd node."""
+        """The module's forward hook: a counting hook on every output that requires grad."""
         # no reference to self: the module would keep the counter (and its hooks) alive
         hook, handles, hooked_leaves = self._hook, self._handles, self._hooked_leaves
         grad_enabled = torch.is_grad_enabled
@@ -150,10 +150,10 @@ class BackwardCounter:
                     target = leaf if leaf._base is None else leaf._base
                     node = target.grad_fn
                     if node is not None and target._backward_hooks is None:
-                        # Tensor.register_hook's two steps, without its RemovableHandle
-                        # (a third of the cost; the graph, and the hook, die with the pass)
-                        # an OrderedDict, as torch makes it: handles added later keep a
-                        # weak reference to it (handle ids are >= 0)
+                        # Tensor.register_hook's two steps without its RemovableHandle (a
+                        # third of the cost; the hook dies with the tensor). An OrderedDict,
+                        # as torch makes it: handles added later keep a weak reference to it
+                        # (their ids are >= 0).
                         target._backward_hooks = OrderedDict(((-1, hook),))
                         node._register_hook_dict(target)
                     elif node is not None:  # the tensor has hooks of its own: leave them be
