@@ -99,7 +99,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         model: the model whose outputs the losses are computed from (optional; any
             ``nn.Module``). When given, backward passes are counted where they enter the
             tensors that ``model(...)`` returns (one hook per forward call) instead of at every
-            parameter (one hook per parameter per backward pass, about 0.7 us each on a CPU):
+            parameter (one hook per parameter per backward pass, 0.5-1 us each on a CPU):
             the cheaper way for models with many parameter tensors. A pass through the outputs
             counts when it accumulates into a wrapped parameter (``torch.autograd.grad`` does
             not, as without ``model=``; under FSDP2 every pass through the outputs counts). A
@@ -273,14 +273,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._check_micro_step_kind(weighted=weight is not None)
         except (RuntimeError, ValueError) as err:
             raise type(err)(f"{err} Nothing was accumulated by this call.") from None
-        if self._counter.paused:
-            raise RuntimeError(
-                "Accumulate.backward: an earlier backward pass failed part-way (say, out of "
-                "memory) and its partial gradient is still in .grad; expected opt.discard() "
-                "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
-                "that micro-step alone) before the next micro-step. Nothing was accumulated by "
-                "this call."
-            )
+        self._check_not_paused("backward")
         self._pending_items, self._awaiting_end = weight, True
         try:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
@@ -291,6 +284,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 self._on_backward_end()
         finally:
             self._pending_items, self._awaiting_end = None, False
+
+    def _check_not_paused(self, api: str) -> None:
+        """Refuse to go on after a backward pass that died with its gradient in ``.grad``."""
+        if self._counter.paused:
+            raise RuntimeError(
+                f"Accumulate.{api}: an earlier backward pass failed part-way (say, out of "
+                "memory) and its partial gradient is still in .grad; expected opt.discard() "
+                "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
+                "that micro-step alone) first. Nothing was changed by this call."
+            )
 
     def _check_micro_step_kind(self, weighted: bool) -> None:
         if self._closed:
@@ -553,9 +556,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
         Raises:
             TypeError: a ``closure`` was passed (closures are not supported).
-            RuntimeError: no backward pass since the last ``step()``; called through a
-                ``GradScaler`` by a wrapper built without ``scaler=``; or, with an enabled
-                ``scaler=``, called at the boundary without going through ``scaler.step``.
+            RuntimeError: no backward pass since the last ``step()``; a backward pass failed
+                part-way and its partial gradient was not dropped (:meth:`discard`,
+                :meth:`drop_micro_step`); called through a ``GradScaler`` by a wrapper built
+                without ``scaler=``; or, with an enabled ``scaler=``, called at the boundary
+                without going through ``scaler.step``.
         """
         hooks = (
             self._optimizer_step_pre_hooks
@@ -566,7 +571,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if hooks:
             return self._profiled_step(closure)
         amp = "found_inf" in self.__dict__
-        if self._closed or self._stepped or self._drop_at_step or closure is not None or amp:
+        slow = self._closed or self._stepped or self._drop_at_step or closure is not None or amp
+        if slow or self._counter.paused:
             return self._step(closure)
         self._stepped, self.did_update = True, False  # a plain micro-step inside the window
         return None
@@ -614,6 +620,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 "window); expected step() with no argument. Compute the loss outside and call "
                 "backward() and step() once per micro-batch."
             )
+        self._check_not_paused("step")
         amp = "found_inf" in self.__dict__
         if amp and self.scaler is None:
             raise RuntimeError(
@@ -625,9 +632,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             hint = (
                 "Check that the loss depends on the wrapped parameters; parameters that were "
                 "frozen when the wrapper was built are counted from the next real zero_grad() "
-                "on. If a backward pass failed part-way (say, out of memory), its partial "
-                "gradient is in .grad and counting is paused: call opt.discard(), or "
-                "opt.drop_micro_step() with the window buffer, then go on."
+                "on."
             )
             if self.model is not None:
                 hint += (
@@ -678,7 +683,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         Returns:
             Whether an update was applied (also in :attr:`did_update`), so ``if opt.flush():
             scheduler.step()`` keeps the schedule on real steps.
+
+        Raises:
+            RuntimeError: a backward pass failed part-way and its partial gradient was not
+                dropped (:meth:`discard`, :meth:`drop_micro_step`); nothing is changed.
         """
+        self._check_not_paused("flush")
         self.did_update = False
         if self.micro_step == 0:
             return False

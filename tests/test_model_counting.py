@@ -383,3 +383,27 @@ def test_opt_backward_after_a_pass_that_died_is_refused_until_it_is_dropped(give
         acc.zero_grad()
     assert acc.updates == 1
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("then", ["step", "flush"])
+def test_step_or_flush_after_a_counted_pass_and_a_dead_one_is_refused(then: str) -> None:
+    """A counted micro-step, then a pass that dies before step(): the partial gradient must
+    not reach the update."""
+    model = mlp(101)
+    acc = Accumulate(sgd(model), every=3)
+    x, y = data(101, 4)
+    mse_sum(model, x[:2], y[:2]).backward()  # counted; step() not called yet
+
+    def boom(_: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("simulated")
+
+    h = model[0](x[2:])
+    h.register_hook(boom)
+    with pytest.raises(torch.OutOfMemoryError):
+        ((model[2](model[1](h)) - y[2:]) ** 2).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        getattr(acc, then)()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    acc.discard()
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
