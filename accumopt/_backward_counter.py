@@ -137,9 +137,6 @@ class BackwardCounter:
         hook, handles, hooked_leaves = self._hook, self._handles, self._hooked_leaves
         grad_enabled = torch.is_grad_enabled
 
-        def pre_hook(grad_outputs: Any) -> None:  # a node pre-hook gets the output grads
-            hook(grad_outputs)
-
         def on_forward(_: nn.Module, __: Any, output: Any) -> None:
             if not grad_enabled():  # no graph, nothing to count (eval, no_grad)
                 return
@@ -157,7 +154,7 @@ class BackwardCounter:
                         target._backward_hooks = OrderedDict(((-1, hook),))
                         node._register_hook_dict(target)
                     elif node is not None:  # the tensor has hooks of its own: leave them be
-                        node.register_prehook(pre_hook)
+                        node.register_prehook(hook)  # it gets the output grads: one argument
                     elif id(target) not in hooked_leaves:  # a parameter returned as it is
                         hooked_leaves.add(id(target))
                         handles.append(target.register_hook(hook))  # type: ignore[no-untyped-call]

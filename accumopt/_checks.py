@@ -12,6 +12,8 @@ import numbers
 
 import torch
 
+from accumopt import _grads
+
 
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError."""
@@ -30,7 +32,7 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         )
     lazy = [
         i
-        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        for i, p in enumerate(_grads.params_of(optimizer.param_groups))
         if isinstance(p, torch.nn.parameter.UninitializedParameter)
     ]
     if lazy:
@@ -141,7 +143,7 @@ def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Mod
             "that counts at its outputs; expected an eager or torch.compile-d module, or no "
             "model= (counting at the parameters)."
         )
-    wrapped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    wrapped = {id(p) for p in _grads.params_of(optimizer.param_groups)}
     if not any(id(p) in wrapped for p in model.parameters()):
         raise ValueError(
             f"Accumulate: the {type(model).__qualname__} given as model= holds none of the "

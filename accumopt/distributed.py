@@ -51,7 +51,7 @@ class GradSync:
 
     def __init__(self, module: nn.Module) -> None:
         self.fsdp = isinstance(module, FSDPModule)
-        if not self.fsdp and not isinstance(module, nn.parallel.DistributedDataParallel):
+        if not is_distributed(module):
             raise TypeError(
                 f"Accumulate: model is a {type(module).__qualname__}; expected the "
                 "torch.nn.parallel.DistributedDataParallel model (or the fully_shard-ed FSDP2 "
