@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, Protocol
 
 import torch
 
@@ -16,10 +17,9 @@ from accumopt import _grads
 
 
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError."""
-    from accumopt.accumulate import AccumulatingOptimizer
-
-    if isinstance(optimizer, AccumulatingOptimizer):
+    """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError
+    (an accumopt wrapper is refused: wrap the inner optimizer once)."""
+    if getattr(type(optimizer), "_accumopt_wrapper", False):
         raise TypeError(
             "Accumulate: optimizer is already an AccumulatingOptimizer; expected a plain "
             "torch.optim.Optimizer. Wrap the inner optimizer once and set every= on that wrapper."
@@ -212,3 +212,159 @@ def check_count(count: object, what: str, covers: str, where: str = "") -> float
             f"(samples or tokens) that {covers} covers."
         )
     return float(count)
+
+
+# ---------------------------------------------------------------------- the wrapper's refusals
+
+
+class _StepState(Protocol):
+    """What :func:`step_refusal` reads of the wrapper."""
+
+    scaler: torch.amp.GradScaler | None
+    model: torch.nn.Module | None
+
+    @property
+    def will_update(self) -> bool: ...
+
+    @property
+    def _window(self) -> Any: ...
+
+
+WILL_UPDATE = (
+    "True from the end of the backward pass that closes the window until step(): the next "
+    "step() applies the update (under AMP, unless the window saw an inf/NaN)."
+)
+"""The docstring of ``Accumulate.will_update``."""
+
+
+def check_policies(
+    nonfinite: str | None, scaler: object, buffer: bool | None, distributed: bool
+) -> None:
+    """Refuse combinations of ``nonfinite`` with a scaler, DDP/FSDP2 or ``buffer=False``."""
+    if nonfinite == "raise" and scaler is not None:
+        raise ValueError(
+            "Accumulate: nonfinite='raise' with a GradScaler would raise on every loss-scale "
+            "overflow (the scaler backs off only when it sees the inf); expected "
+            "nonfinite='skip_micro_batch' or 'skip_window' under AMP."
+        )
+    per_micro_batch = nonfinite in ("skip_micro_batch", "raise")
+    if distributed and per_micro_batch:
+        raise ValueError(
+            f"Accumulate: nonfinite={nonfinite!r} with model= (torch.distributed) would let "
+            "the ranks drop different micro-steps and disagree on the window; expected "
+            "nonfinite='skip_window' or None under DDP/FSDP2."
+        )
+    if buffer is False and per_micro_batch:
+        raise ValueError(
+            f"Accumulate: nonfinite={nonfinite!r} drops single micro-batches, which needs the "
+            "window buffer, but buffer=False; expected buffer=None or True."
+        )
+
+
+def check_rollback(buffer: bool | None, fsdp: bool) -> None:
+    """Refuse ``enable_rollback()`` where a failed micro-batch cannot be dropped alone."""
+    if buffer is False:
+        raise RuntimeError(
+            "Accumulate.enable_rollback: the wrapper was built with buffer=False; expected "
+            "buffer=None or True, so that a failed micro-batch can be dropped alone."
+        )
+    if fsdp:
+        raise RuntimeError(
+            "Accumulate.enable_rollback: the gradients of an FSDP2 model are sharded and "
+            "reduce-scattered by FSDP2 itself, so a failed micro-batch cannot be dropped "
+            "alone; expected a DDP or single-process model for OOM recovery."
+        )
+
+
+def paused_message(api: str) -> str:
+    """Why ``api`` refuses to go on after a backward pass that died part-way."""
+    return (
+        f"Accumulate.{api}: an earlier backward pass failed part-way (say, out of "
+        "memory) and its partial gradient is still in .grad; expected opt.discard() "
+        "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
+        "that micro-step alone) first. Nothing was changed by this call."
+    )
+
+
+UNREFUSABLE = (
+    "This backward pass did not go through opt.backward(), so it could not be refused before "
+    "its gradient was added to .grad: call opt.discard() to drop the window, then fix the loop."
+)
+"""Appended to a window's refusal raised at the end of a plain ``loss.backward()``."""
+
+
+def nonfinite_message(micro_step: int) -> str:
+    """``nonfinite="raise"``: micro-step ``micro_step`` of the window was dropped."""
+    return (
+        f"Accumulate: the gradient of micro-step {micro_step} of the open window holds an inf "
+        "or NaN; it was dropped and the window is intact. Check that micro-batch's inputs and "
+        "loss, or use nonfinite='skip_micro_batch'."
+    )
+
+
+def inseparable_message(closed: bool) -> str:
+    """Why ``drop_micro_step()`` cannot drop the micro-step in flight alone."""
+    if closed:
+        return (
+            "Accumulate.drop_micro_step: the window is complete and its gradient formed; "
+            "expected a micro-step whose backward pass failed or is not yet counted. Call "
+            "opt.discard() to drop the whole window."
+        )
+    return (
+        "Accumulate.drop_micro_step: finished micro-steps of the open window live in "
+        ".grad, so the one in flight cannot be dropped alone; expected buffer=True (or "
+        "opt.enable_rollback() before the window) and, under a GradScaler, "
+        "scaler.step(opt) after every backward pass."
+    )
+
+
+def step_refusal(
+    closure: object, paused: bool, amp: bool, scaled: bool, opt: _StepState
+) -> Exception | None:
+    """Why ``opt.step()`` must not go on, as the exception to raise, or None.
+
+    Args:
+        closure: the ``closure`` argument of ``step``.
+        paused: a backward pass died part-way and counting is paused.
+        amp: ``step`` was called through ``GradScaler.step``.
+        scaled: a ``GradScaler`` is in use (the gradients are scaled).
+        opt: the wrapper.
+    """
+    if closure is not None:
+        return TypeError(
+            "Accumulate.step: closures are not supported (the inner step runs once per "
+            "window); expected step() with no argument. Compute the loss outside and call "
+            "backward() and step() once per micro-batch."
+        )
+    if paused:
+        return RuntimeError(paused_message("step"))
+    if amp and opt.scaler is None:
+        return RuntimeError(
+            "Accumulate.step: called through GradScaler.step, but the wrapper was built "
+            "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
+            "each micro-step is unscaled with its own loss scale."
+        )
+    if opt._window.stepped:
+        hint = (
+            "Check that the loss depends on the wrapped parameters; parameters that were "
+            "frozen when the wrapper was built are counted from the next real zero_grad() on."
+        )
+        if opt.model is not None:
+            hint += (
+                f" With model= a backward pass is counted when it reaches a tensor returned "
+                f"by the {type(opt.model).__qualname__} given (in a tuple, list or dict): "
+                "check that the loss is computed from model(...)'s outputs, or use "
+                "opt.backward(loss) for other losses."
+            )
+        return RuntimeError(
+            "Accumulate.step: no backward pass since the last step(); expected one "
+            "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
+            f"step(). ({hint})"
+        )
+    if opt.will_update and not amp and scaled:
+        return RuntimeError(
+            "Accumulate.step: the window is complete but step() was not called through "
+            "the GradScaler given as scaler=, so the gradients are still scaled; expected "
+            "scaler.step(opt) followed by scaler.update()."
+        )
+    return None

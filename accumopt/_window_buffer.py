@@ -1,27 +1,35 @@
-"""The window buffer: finished micro-steps' gradients, kept apart from ``.grad``.
+"""Where the finished micro-steps of the open window live: ``.grad``, or the window buffer.
 
-Three jobs share one mechanism. Moving a micro-step's gradient out of ``.grad`` into the buffer
-right after it is complete
+By default the micro-steps of a window accumulate in ``.grad`` (no copy, no extra memory). The
+window buffer moves a micro-step's gradient out of ``.grad`` into a per-parameter sum right
+after it is complete. Three jobs share that one mechanism:
 
-- lets each micro-step be unscaled with its own AMP loss scale (a scale change inside a window
-  cannot mix two scales);
-- keeps low-precision (bf16/fp16) gradients in a float32 sum, so the rounding error of the sum
+- **AMP**: each micro-step is unscaled with the loss scale it was computed under (folded at
+  ``scaler.step(opt)``), so a scale change inside a window cannot mix two scales; an inf/NaN
+  seen by any micro-step is remembered and skips the window.
+- **Precision**: bf16/fp16 gradients are summed in float32, so the rounding error of the sum
   does not grow with the number of micro-steps (DeepSpeed's ``BF16_Optimizer`` and Megatron's
-  ``main_grad`` do this inside their engines);
-- makes the micro-step in flight separable: after an out-of-memory error or a non-finite
-  gradient, dropping ``.grad`` removes that micro-step alone and keeps every finished one.
+  ``main_grad`` do this inside their engines).
+- **Rollback**: the micro-step in flight is separable; after an out-of-memory error or a
+  non-finite gradient, dropping ``.grad`` removes that micro-step alone and keeps every
+  finished one.
 
-Memory: one buffer tensor per buffered parameter, in ``promote_types(param dtype, float32)``
-(4 bytes per element for bf16/fp16/fp32 parameters, 8 for float64); ``.grad`` exists only
-during a backward pass and until the micro-step is folded.
+At the boundary :meth:`WindowBuffer.close` merges the buffer and ``.grad`` into the window's
+gradient, in ``.grad``. Memory: one buffer tensor per buffered parameter, in
+``promote_types(param dtype, float32)`` (4 bytes per element for bf16/fp16/fp32 parameters, 8
+for float64), only while a window is open.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from accumopt import _grads
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def buffer_dtype(param: Tensor) -> torch.dtype:
@@ -30,16 +38,174 @@ def buffer_dtype(param: Tensor) -> torch.dtype:
 
 
 class WindowBuffer:
-    """Per-parameter sums of the folded micro-steps of the open window (unscaled)."""
+    """The finished micro-steps of the open window that do not live in ``.grad``.
 
-    def __init__(self) -> None:
+    Args:
+        policy: the wrapper's ``buffer`` argument: None (bf16/fp16 parameters only), True
+            (every parameter), False (none).
+        buffer_all: route every parameter through the buffer (``buffer=True``, per-micro-batch
+            non-finite policies, OOM rollback).
+        scaler: the ``GradScaler`` the loop steps through, or None.
+
+    Attributes:
+        sums (dict[Tensor, Tensor]): parameter -> sum of its folded, unscaled gradients.
+        found_inf (Tensor | None): 0-dim float32, > 0 when a micro-step of the window had an
+            inf/NaN under AMP; None before the first ``scaler.step``.
+        unfolded (int): counted micro-steps whose (scaled) gradient is still in ``.grad``,
+            waiting for ``scaler.step`` to fold it with its own loss scale.
+
+    Every method that needs the parameters takes them (``params``: the wrapped parameters in
+    state-dict order), so the buffer holds no reference back to the optimizer.
+    """
+
+    def __init__(
+        self, policy: bool | None, buffer_all: bool, scaler: torch.amp.GradScaler | None
+    ) -> None:
+        self.policy = policy
+        self.buffer_all = buffer_all
+        self.scaler = scaler
         self.sums: dict[Tensor, Tensor] = {}
+        self.reset()
 
     def __bool__(self) -> bool:
         return bool(self.sums)
 
-    def clear(self) -> None:
+    def reset(self) -> None:
+        """Forget the window (a new one opens)."""
+        self._buffered: list[Tensor] | None = None  # listed again each window: dtypes may change
         self.sums.clear()
+        self.found_inf: Tensor | None = None
+        self.unfolded = 0
+
+    def loss_scale(self) -> Tensor | None:
+        """The scaler's current loss scale as a tensor (no host sync), or None without AMP."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return self.scaler._get_scale_async()
+
+    def buffered_params(self, params: list[Tensor]) -> list[Tensor]:
+        """The parameters whose micro-steps go to the buffer (listed once a window)."""
+        buffered = self._buffered
+        if buffered is None:
+            if self.policy is False:
+                buffered = []
+            elif self.buffer_all:
+                buffered = params
+            else:
+                buffered = [p for p in params if p.dtype in _LOW_PRECISION]
+            self._buffered = buffered
+        return buffered
+
+    def forget_params(self) -> None:
+        """The parameter list changed (a group was added, a checkpoint loaded): list again."""
+        self._buffered = None
+
+    def grad_only(self, params: list[Tensor]) -> bool:
+        """Whether every finished micro-step stays in ``.grad`` (no buffer, no AMP folding):
+        then DDP's own reducer may synchronise the closing micro-step."""
+        return not self.buffered_params(params) and self.loss_scale() is None
+
+    # ------------------------------------------------------------------ during the window
+
+    def micro_step_done(self, param_groups: list[dict[str, Any]]) -> None:
+        """A micro-step that does not close the window was counted: fold it now, or, under
+        AMP, leave it for ``scaler.step`` (which knows its loss scale)."""
+        if self.loss_scale() is not None:
+            self.unfolded += 1
+        elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
+            self.fold(self.buffered_params(_grads.params_of(param_groups)), None)
+
+    def fold_scaled(self, params: list[Tensor], grad_scale: Tensor | None) -> None:
+        """``scaler.step(opt)`` inside the window: fold every parameter, unscaled by the loss
+        scale its micro-steps were computed under."""
+        self.fold(params, grad_scale)
+        self.unfolded = 0
+
+    def scaler_step(
+        self, params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor, closed: bool
+    ) -> None:
+        """``scaler.step(opt)`` hands the wrapper the loss scale and the inf/NaN flag of the
+        micro-step: remember the flag; inside the window fold every parameter unscaled by its
+        own scale; at the boundary unscale the window's gradient."""
+        self.note_found_inf(found_inf)
+        if not closed:
+            self.fold_scaled(params, grad_scale)
+        elif grad_scale is not None:
+            _grads.div_(_grads.grads_of(params), grad_scale)
+
+    def note_found_inf(self, found_inf: Tensor) -> None:
+        """Remember a micro-step's inf/NaN flag (0-dim tensor, no host sync)."""
+        self.found_inf = found_inf if self.found_inf is None else self.found_inf + found_inf
+
+    def separable(self, micro_step: int) -> bool:
+        """Whether the micro-step in flight can be dropped alone: no finished micro-step of
+        the window (``micro_step`` of them) lives in ``.grad``."""
+        return not self.unfolded and (micro_step == 0 or self.buffer_all)
+
+    def in_flight_nonfinite(self, param_groups: list[dict[str, Any]]) -> bool:
+        """Whether the gradient in ``.grad`` holds an inf/NaN (one host sync). False when
+        finished micro-steps are mixed in (PyTorch's gated AMP recipe): the scaler then skips
+        the window at the boundary if needed."""
+        if self.unfolded:
+            return False
+        return not _grads.all_finite(_grads.grads_of(_grads.params_of(param_groups)))
+
+    def route_all(self, params: list[Tensor], micro_step: int, closed: bool) -> None:
+        """Route every parameter through the buffer from now on (rollback); what the open
+        window holds in ``.grad`` is folded first."""
+        if self.buffer_all:
+            return
+        self.buffer_all, self._buffered = True, None
+        if micro_step and not closed and self.loss_scale() is None:
+            self.fold(params, None)
+
+    # ------------------------------------------------------------------ the boundary
+
+    def close(self, params: list[Tensor], divisor: float | None) -> None:
+        """Write the window's gradient into ``.grad``: (sum * scale + .grad) / divisor.
+
+        Buffered parameters get the merged result cast to their own dtype (the dtype the inner
+        optimizer expects); the others are divided in place. The current AMP loss scale is
+        re-applied to the buffered sums, so ``.grad`` is in the units ``GradScaler.unscale_``
+        expects. ``divisor`` None or 1: no division.
+        """
+        scale = self.loss_scale() if self.sums else None
+        with torch.no_grad():
+            divide: list[Tensor] = []
+            merged: list[tuple[Tensor, Tensor]] = []
+            for p in params:
+                held = self.sums.pop(p, None)
+                if held is None:
+                    if p.grad is not None:
+                        divide.append(p.grad)
+                    continue
+                if scale is not None:
+                    held.mul_(scale.to(held.device))
+                if p.grad is not None:
+                    held.add_(p.grad)
+                divide.append(held)
+                merged.append((p, held))
+            self.sums.clear()
+            if divisor is not None and divisor != 1:
+                _grads.div_(divide, divisor)
+            for p, total in merged:
+                p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
+
+    def unscale_closed(self, params: list[Tensor]) -> None:
+        """Unscale the closed window's gradient by the current loss scale (``flush()`` outside
+        ``scaler.step``), remembering any inf/NaN."""
+        scale = self.loss_scale()
+        if scale is not None:
+            self.note_found_inf(_grads.unscale_(_grads.grads_of(params), scale))
+
+    def skip_window(self, params: list[Tensor], check_finite: bool) -> bool:
+        """Whether the closed window must be skipped for an inf/NaN: one seen under AMP, or,
+        with ``check_finite`` (``nonfinite="skip_window"``), one in its gradient now."""
+        if self.found_inf is not None:
+            return bool(self.found_inf.item() > 0)
+        return check_finite and not _grads.all_finite(_grads.grads_of(params))
+
+    # ------------------------------------------------------------------ folding
 
     def fold(self, params: list[Tensor], scale: Tensor | None) -> None:
         """Add each parameter's ``.grad`` (divided by ``scale``) into its sum; release ``.grad``.
@@ -76,30 +242,24 @@ class WindowBuffer:
             torch._foreach_add_(held, incoming)  # type promotion: bf16 into float32 sums
         self.sums.update(fresh)  # the fresh tensors are stolen: no copy without a cast
 
-    @torch.no_grad()
-    def close(self, params: list[Tensor], scale: Tensor | None, divisor: float | None) -> None:
-        """Write the window's gradient into ``.grad``: (sum * scale + .grad) / divisor.
+    # ------------------------------------------------------------------ checkpoints
 
-        Buffered parameters get the merged result cast to their own dtype (the dtype the inner
-        optimizer expects); the others are divided in place. ``scale`` re-applies the current
-        AMP loss scale, so ``.grad`` is in the units ``GradScaler.unscale_`` expects.
-        """
-        divide: list[Tensor] = []
-        merged: list[tuple[Tensor, Tensor]] = []
-        for p in params:
-            held = self.sums.pop(p, None)
-            if held is None:
-                if p.grad is not None:
-                    divide.append(p.grad)
-                continue
-            if scale is not None:
-                held.mul_(scale.to(held.device))
-            if p.grad is not None:
-                held.add_(p.grad)
-            divide.append(held)
-            merged.append((p, held))
-        self.sums.clear()
-        if divisor is not None and divisor != 1:
-            _grads.div_(divide, divisor)
-        for p, total in merged:
-            p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
+    def contents(self, params: list[Tensor]) -> dict[str, Any]:
+        """The buffer's part of a mid-window checkpoint (sums by parameter index)."""
+        return {
+            "buffer": {i: self.sums[p] for i, p in enumerate(params) if p in self.sums},
+            "buffer_all": self.buffer_all,
+            "found_inf": self.found_inf,
+            "unfolded": self.unfolded,
+        }
+
+    def restore(self, window: dict[str, Any], params: list[Tensor]) -> None:
+        """Load :meth:`contents` (copied onto each parameter's device)."""
+        with torch.no_grad():
+            for i, b in window["buffer"].items():
+                self.sums[params[i]] = b.to(device=params[i].device, copy=True)
+        self.buffer_all = self.buffer_all or bool(window.get("buffer_all", False))
+        self._buffered = None
+        self.unfolded = int(window.get("unfolded", 0))
+        found = window["found_inf"]
+        self.found_inf = None if found is None else found.clone()

@@ -105,12 +105,13 @@ class MicroBatchRunner:
         self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
         self._start = start_size
         self.sizer: MicroBatchSizer | None = None
-        self._ranks = optimizer._sync if auto else None
+        self._ranks = optimizer._ranks if auto else None
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
-            # under torch.distributed every rank must agree on each micro-batch's outcome
-            # before anyone counts it (counting may be a collective)
-            optimizer._defer_commits = self._ranks is not None
+            if self._ranks is not None:
+                # every rank must agree on each micro-batch's outcome before anyone counts it
+                # (counting may be a collective)
+                optimizer._defer_counting()
 
     # ------------------------------------------------------------------ read-outs
 
@@ -151,7 +152,7 @@ class MicroBatchRunner:
         """
         n = _tree.batch_size(batch, "MicroBatchRunner")
         if self._ranks is not None:
-            self._check_same_rows(n)
+            self._ranks.check_same_rows(n, "MicroBatchRunner")
         key = shape_key(batch)
         rows_of = _tree.RowSlicer(batch, self.device)
         total_loss: Tensor | None = None
@@ -169,12 +170,11 @@ class MicroBatchRunner:
                     raise
                 failure = f"{type(err).__name__}: {err}"
             if self._ranks is not None:  # all ranks back off together, or none does
-                failed = float(failure is not None)
-                failed_ranks = self._ranks.sum(failed, self.optimizer._device())
+                failed_ranks = self._ranks.failed_ranks(failure is not None)
                 if failed_ranks and failure is None:
                     failure = f"out of memory on {failed_ranks:g} other rank(s)"
                 if failure is None:
-                    self.optimizer.commit_micro_step()
+                    self.optimizer._commit_deferred()
             if failure is not None:  # outside the except block: the traceback is gone
                 piece = None
                 self._recover(key, size, failure)
@@ -192,18 +192,6 @@ class MicroBatchRunner:
         if return_outputs:
             return mean, (_tree.concat(outputs) if outputs else None)
         return mean
-
-    def _check_same_rows(self, n: int) -> None:
-        """Every rank must cut its batch the same way, or the collectives would not pair up."""
-        assert self._ranks is not None
-        device = self.optimizer._device()
-        total, squares = self._ranks.sum(float(n), device), self._ranks.sum(float(n * n), device)
-        if squares * self._ranks.world_size != total * total:  # the same on every rank
-            raise ValueError(
-                f"MicroBatchRunner: this rank's batch has {n} rows, the ranks' batches "
-                f"{total:g} together; expected the same number of rows on every rank with "
-                "micro_batch_size='auto' under torch.distributed (all ranks back off together)."
-            )
 
     def _propose(self, key: Hashable, available: int) -> int:
         if self._fixed is not None:

@@ -145,7 +145,7 @@ def worker(rank: int, scenario: str, mode: str) -> tuple[Any, ...]:
                 opt.step()
             opt.zero_grad()
     assert opt.updates == WINDOWS, opt.updates
-    return plain(ddp), dict(calls), opt._sync.all_reduces  # type: ignore[union-attr]
+    return plain(ddp), dict(calls), opt._ranks.all_reduces  # type: ignore[union-attr]
 
 
 def run_auto(

@@ -1,0 +1,173 @@
+"""The wrapper's checkpoint format, in one place: ``state_dict``, ``load_state_dict``, pickling.
+
+A wrapper's state dict is the inner optimizer's state dict plus one ``"accumopt"`` entry::
+
+    {"format": 2, "every": 4, "every_items": None, "reduction": "mean", "updates": 12,
+     "window": None | {"micro_step", "items", "weighted", "closed", "stepped",
+                       "grads": {param index: .grad}, "buffer": {param index: sum},
+                       "buffer_all", "found_inf", "unfolded"}}
+
+Parameter indices count over the param groups in order, as the inner state dict's ``"state"``
+does. ``"window"`` is None at an accumulation boundary. Formats read:
+
+- 1: the same entry with ``"version": 1`` in place of ``"format": 2`` (accumopt 0.1.0).
+- 2: the entry above.
+
+A change of the entry's meaning gets a new format number, and this module keeps reading the
+older ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from accumopt import _grads
+
+if TYPE_CHECKING:
+    from accumopt.accumulate import AccumulatingOptimizer
+
+KEY = "accumopt"
+FORMAT = 2
+_READABLE = (1, 2)
+
+
+def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
+    """``opt.state_dict()``: the inner state dict plus the ``"accumopt"`` entry (tensors
+    referenced, not copied, as in ``torch.optim``)."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    state = opt.optimizer.state_dict()
+    params = _grads.params_of(opt.param_groups)
+    window = None
+    if opt._window.micro_step:
+        grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}
+        window = {**opt._window.position(), "grads": grads, **opt._buffer.contents(params)}
+    every, every_items, reduction = opt._window.settings()
+    state[KEY] = {
+        "format": FORMAT,
+        "every": every,
+        "every_items": every_items,
+        "reduction": reduction,
+        "updates": opt.updates,
+        "window": window,
+    }
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        result = post_hook(opt, state)
+        if result is not None:
+            state = result
+    return state
+
+
+def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> None:
+    """``opt.load_state_dict(sd)``: validate everything first, then load (nothing changes
+    when the checkpoint is refused)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(
+            f"Accumulate.load_state_dict: got {type(state_dict).__qualname__}; expected the "
+            "dict returned by state_dict() (or by a bare torch.optim optimizer)."
+        )
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    extra = state_dict.get(KEY)
+    params = _grads.params_of(opt.param_groups)
+    window = _check_entry(opt, extra, params)
+    inner_state = {k: v for k, v in state_dict.items() if k != KEY}
+    opt.optimizer.load_state_dict(inner_state)
+    opt.updates = int(extra["updates"]) if extra else 0
+    # torch's load_state_dict installs new group and state containers on the inner
+    # optimizer: share the new ones (schedulers built later must reach the inner).
+    opt.param_groups = opt.optimizer.param_groups
+    opt.state = opt.optimizer.state
+    opt._restart(clear_grads=bool(opt._window.micro_step))
+    if window is not None:
+        opt._window.restore(window)
+        with torch.no_grad():
+            for i, g in window["grads"].items():
+                params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
+        opt._buffer.restore(window, params)
+        opt._plan_sync()
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+def _check_entry(
+    opt: AccumulatingOptimizer, extra: Any, params: list[Tensor]
+) -> dict[str, Any] | None:
+    """The checkpoint's open window, if any, after checking that it fits this wrapper."""
+    if extra is None:
+        return None
+    fmt = extra.get("format", extra.get("version"))
+    if fmt not in _READABLE:
+        raise ValueError(
+            f"Accumulate.load_state_dict: the checkpoint's accumopt entry has format {fmt!r}; "
+            f"expected one of {_READABLE} (this accumopt reads those). Load it with the "
+            "accumopt version that wrote it, or save at an accumulation boundary and load the "
+            "inner optimizer's state alone."
+        )
+    window: dict[str, Any] | None = extra.get("window")
+    if window is None:
+        return None
+    saved = (extra["every"], extra["every_items"], extra["reduction"])
+    ours = opt._window.settings()
+    if saved != ours:
+        raise ValueError(
+            f"Accumulate.load_state_dict: the checkpoint holds an open window saved with "
+            f"(every, every_items, reduction)={saved!r}, this wrapper has {ours!r}; "
+            "expected the same settings to resume mid-window. Rebuild the wrapper with "
+            "the saved settings, or save at an accumulation boundary."
+        )
+    for kind in ("grads", "buffer"):
+        for i, tensor in window[kind].items():
+            if i >= len(params) or tuple(tensor.shape) != tuple(params[i].shape):
+                have = f"shape {tuple(params[i].shape)}" if i < len(params) else "no such one"
+                raise ValueError(
+                    f"Accumulate.load_state_dict: the checkpoint's window holds a gradient of "
+                    f"shape {tuple(tensor.shape)} for parameter {i}, this optimizer has {have} "
+                    f"({len(params)} parameters); expected the same model and parameter "
+                    "groups as when it was saved. Nothing was changed."
+                )
+    return window
+
+
+_SETTINGS = ("max_grad_norm", "scaler", "buffer", "nonfinite", "model", "reduce_every_micro_step")
+
+
+def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
+    """What ``copy.deepcopy`` and pickling keep of a wrapper. A whitelist: an LR scheduler
+    patches ``step`` on the instance with a closure over a weakref, which must neither be
+    pickled nor shared by a deep copy."""
+    params = _grads.params_of(opt.param_groups)
+    every, every_items, reduction = opt._window.settings()
+    settings = {"every": every, "every_items": every_items, "reduction": reduction}
+    settings.update({name: getattr(opt, name) for name in _SETTINGS})
+    return {
+        "optimizer": opt.optimizer,
+        "settings": settings,
+        "skipped_micro_steps": opt.skipped_micro_steps,
+        "updates": opt.updates,
+        "did_update": opt.did_update,
+        "window": opt._window.position(),
+        "grads": [p.grad for p in params] if opt._window.micro_step else None,
+        "buffer": opt._buffer,
+    }
+
+
+def setstate(opt: AccumulatingOptimizer, state: dict[str, Any]) -> None:
+    """Rebuild a wrapper from :func:`getstate` (its own hooks, the copied window)."""
+    settings = dict(state["settings"])
+    every = settings.pop("every")
+    type(opt).__init__(opt, state["optimizer"], every, **settings)
+    opt.skipped_micro_steps = state["skipped_micro_steps"]
+    opt.updates = state["updates"]
+    opt.did_update = state["did_update"]
+    opt._window.restore(state["window"])
+    opt._buffer = state["buffer"]
+    opt._buffer.forget_params()
+    if state["grads"] is not None:
+        for p, g in zip(_grads.params_of(opt.param_groups), state["grads"]):
+            p.grad = g
