@@ -35,8 +35,13 @@ _READABLE = (1, 2)
 
 
 def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
-    """``opt.state_dict()``: the inner state dict plus the ``"accumopt"`` entry (tensors
-    referenced, not copied, as in ``torch.optim``)."""
+    """The inner optimizer's state dict plus one ``"accumopt"`` entry (the format above).
+
+    Mid-window the entry holds the window's position and gradients, so a run saved mid-window
+    resumes bit for bit. Tensors are referenced, not copied (as in ``torch.optim``):
+    ``torch.save`` or ``copy.deepcopy`` the dict before training on. A bare ``torch.optim``
+    optimizer loads it too (the extra entry is ignored).
+    """
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
     state = opt.optimizer.state_dict()
@@ -62,8 +67,15 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
 
 
 def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> None:
-    """``opt.load_state_dict(sd)``: validate everything first, then load (nothing changes
-    when the checkpoint is refused)."""
+    """Load a state dict from :func:`state_dict`, or a bare inner-optimizer state dict (which
+    starts a fresh window). Everything is checked before anything is loaded.
+
+    Raises:
+        TypeError: ``state_dict`` is not a dict.
+        ValueError: its ``"accumopt"`` entry has a format this version cannot read, or holds
+            an open window saved with other window settings or for other parameter shapes.
+            Nothing is changed then.
+    """
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"Accumulate.load_state_dict: got {type(state_dict).__qualname__}; expected the "

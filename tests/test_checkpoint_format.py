@@ -1,0 +1,88 @@
+"""The checkpoint format: versioned, and today's accumopt loads what accumopt 0.1.0 wrote.
+
+``tests/data/checkpoint_format1*.pt`` were written by accumopt 0.1.0 (format 1, the entry's
+``"version": 1``): a float64 MLP, ``Accumulate(AdamW(lr=0.1), every=4)`` (and ``buffer=True``)
+fed weighted micro-batches of 3, 1, 2 and 4 rows; one full window, then two micro-steps of the
+second, saved mid-window. ``"expected"`` holds the parameters 0.1.0 reached after finishing that
+window, so a resumed run must reproduce them bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from accumopt import Accumulate
+from accumopt._checkpoint import FORMAT
+
+DATA = Path(__file__).parent / "data"
+OFFSETS = [0, 3, 4, 6, 10]
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+@pytest.mark.parametrize(
+    ("name", "buffer"),
+    [("checkpoint_format1.pt", None), ("checkpoint_format1_buffer.pt", True)],
+)
+def test_a_format_1_checkpoint_resumes_mid_window_bit_for_bit(
+    name: str, buffer: bool | None
+) -> None:
+    ckpt = torch.load(DATA / name, weights_only=False)
+    assert ckpt["optimizer"]["accumopt"]["version"] == 1  # written by the old format
+    model = _model()
+    model.load_state_dict(ckpt["model"])
+    opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=4, buffer=buffer)
+    opt.load_state_dict(ckpt["optimizer"])
+    assert (opt.micro_step, opt.items, opt.updates) == (2, 4.0, 1)
+    x, y = ckpt["x"], ckpt["y"]
+    for i in (2, 3):
+        xb, yb = x[OFFSETS[i] : OFFSETS[i + 1]], y[OFFSETS[i] : OFFSETS[i + 1]]
+        opt.backward(((model(xb) - yb) ** 2).sum(), items=xb.shape[0])
+        opt.step()
+        opt.zero_grad()
+    assert opt.did_update and opt.updates == 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, ckpt["expected"][key]), key
+
+
+def test_state_dict_writes_the_current_format_number() -> None:
+    model = _model()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    entry = opt.state_dict()["accumopt"]
+    assert entry["format"] == FORMAT == 2
+    assert entry["window"]["micro_step"] == 1
+
+
+def test_an_unknown_format_is_refused_and_changes_nothing() -> None:
+    model = _model()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    state = copy.deepcopy(opt.state_dict())
+    state["accumopt"]["format"] = 99
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="format 99"):
+        opt.load_state_dict(state)
+    assert opt.micro_step == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_a_checkpoint_for_other_parameter_shapes_is_refused_and_changes_nothing() -> None:
+    small, other = _model(), nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    src = Accumulate(torch.optim.AdamW(other.parameters(), lr=0.1), every=2)
+    for _ in range(3):  # one update (AdamW state), then one micro-step of the next window
+        other(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+        src.step()
+        src.zero_grad()
+    opt = Accumulate(torch.optim.AdamW(small.parameters(), lr=0.1), every=2)
+    before = copy.deepcopy(opt.optimizer.state_dict())
+    with pytest.raises(ValueError, match="same model"):
+        opt.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert opt.optimizer.state_dict() == before and opt.updates == 0 and opt.micro_step == 0
