@@ -236,6 +236,13 @@ WILL_UPDATE = (
 )
 """The docstring of ``Accumulate.will_update``."""
 
+ITEMS = (
+    "Items counted in the open window (float; 0.0 if unweighted). Under DDP/FSDP2: over all "
+    "ranks for a window in items; this rank's own for a window in micro-steps until the "
+    "boundary, where they are summed over the ranks."
+)
+"""The docstring of ``Accumulate.items``."""
+
 
 def check_policies(
     nonfinite: str | None, scaler: object, buffer: bool | None, distributed: bool

@@ -135,7 +135,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
     every_items = property(lambda self: self._window.every_items, doc="Items per window, or None.")
     micro_step = property(lambda self: self._window.micro_step, doc="Micro-steps in the window.")
-    items = property(lambda self: self._window.items, doc="Items in the window, all ranks.")
+    items = property(lambda self: self._window.items, doc=_checks.ITEMS)
     will_update = property(lambda self: self._window.closed, doc=_checks.WILL_UPDATE)
 
     def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
@@ -196,7 +196,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             # GradScaler.step must still see the inf to back off its scale: drop it there
             self._drop_at_step = self._buffer.loss_scale() is not None
             return None if self._drop_at_step else self.drop_micro_step()
-        if self._window.count(self._sync.counted(items)):
+        if self._window.count(self._sync.counted(items, self._window)):
             self._close_window(params_of(groups))
         else:
             self._buffer.micro_step_done(groups)
@@ -235,6 +235,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _close_window(self, params: list[Tensor]) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
         self._window.closed = True
+        self._sync.settle_items(self._window)
         self._sync.close(self._buffer, params, self._window.divisor(self._sync.world_size))
 
     def _plan_sync(self) -> None:

@@ -10,8 +10,9 @@ pass: one all-reduce per real optimizer step. Where the boundary cannot be known
 forward pass (a window in items) or finished micro-steps live in the window buffer (not in
 ``.grad`` where DDP's reducer looks), every micro-step runs unsynchronised and the closing one
 issues one flattened ``all_reduce`` of the window's gradient itself. Item counts are summed
-across ranks with ``all_reduce``, so an item-weighted window is the mean over the items of all
-ranks together (DDP alone averages per-rank means).
+across ranks with ``all_reduce`` (once per update for a window in micro-steps, once per
+micro-step for a window in items, whose end depends on the total), so an item-weighted window
+is the mean over the items of all ranks together (DDP alone averages per-rank means).
 
 FSDP2 (``fully_shard``) works the same way through ``set_requires_gradient_sync``: inside a
 window gradients stay unsharded (full size, the memory cost users trade for less
@@ -60,9 +61,12 @@ class LocalSync:
     def plan_next(self, window: Window, buffer: WindowBuffer, param_groups: Any) -> None:
         """Nothing to synchronise."""
 
-    def counted(self, items: float | None) -> float | None:
+    def counted(self, items: float | None, window: Window) -> float | None:
         """The item count of a micro-step is this process's own."""
         return items
+
+    def settle_items(self, window: Window) -> None:
+        """Nothing to sum."""
 
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         """Form the window's gradient in ``.grad``."""
@@ -170,11 +174,21 @@ class GradSync:
             grad_only = buffer.grad_only(_grads.params_of(param_groups))
             self.set_sync(grad_only and window.next_closes())
 
-    def counted(self, items: float | None) -> float | None:
-        """A micro-step was counted: remember whether it was synchronised; return its item
-        count summed over the ranks (one small all-reduce), or None if unweighted."""
+    def counted(self, items: float | None, window: Window) -> float | None:
+        """A micro-step was counted: remember whether it was synchronised. Return its item
+        count summed over the ranks (one small all-reduce) where the window is counted in
+        items (its end depends on the total); else this rank's own, summed once at the
+        boundary by :meth:`settle_items`."""
         self.synced = self.enabled
-        return None if items is None else self.sum(items)
+        if items is None or window.every is not None:
+            return items
+        return self.sum(items)
+
+    def settle_items(self, window: Window) -> None:
+        """At the boundary of a weighted window counted in micro-steps: sum its items over the
+        ranks (one small all-reduce per update instead of one per micro-step)."""
+        if window.weighted and window.every is not None:
+            window.items = self.sum(window.items)
 
     # ------------------------------------------------------------------ collectives
 
