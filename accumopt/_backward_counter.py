@@ -24,6 +24,7 @@ at once, without waiting for a garbage collection.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -82,6 +83,7 @@ class BackwardCounter:
         owner_ref = weakref.ref(on_end.__self__)  # type: ignore[attr-defined]
         function = on_end.__func__  # type: ignore[attr-defined]
         armed = [True]  # no callback queued for the running pass
+        compiled = [False]  # whether the last pass that began ran under compiled autograd
         queue = Variable._execution_engine.queue_callback
         confirm = module is not None and confirm_accumulation
         accumulators = _Accumulators() if confirm else None
@@ -104,6 +106,7 @@ class BackwardCounter:
         def hook(_: object) -> None:
             if armed[0]:
                 armed[0] = False
+                compiled[0] = _compiled_autograd_on()
                 if accumulators is None or accumulators.any_will_run():
                     queue(fire)
                 else:  # a pass that accumulates nothing (torch.autograd.grad) runs no end()
@@ -111,6 +114,7 @@ class BackwardCounter:
 
         self._hook = hook
         self._armed = armed
+        self._compiled = compiled
         self._accumulators = accumulators
         self._module = module
         self._handles: list[RemovableHandle] = []
@@ -166,6 +170,12 @@ class BackwardCounter:
         """Whether counting is paused: a backward pass began and never reached its end (it
         died part-way), and nobody re-armed the counter since. Meaningful between passes."""
         return not self._armed[0]
+
+    @property
+    def paused_by_compiled_autograd(self) -> bool:
+        """Whether the pass that paused counting ran under compiled autograd, whose graphs run
+        no engine callbacks (so its end is never seen): not a failure but unsupported."""
+        return self.paused and self._compiled[0]
 
     def rearm(self) -> None:
         """Count the next backward pass again after one that died before its end (its partial
@@ -251,6 +261,15 @@ def _inert(*_: Any) -> None:
 
 def _inert_hook() -> Callable[..., None]:
     return _inert
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether compiled autograd (``torch._dynamo.compiled_autograd``) is on; False without
+    importing it when nobody did."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(
+        module.compiled_autograd_enabled or module.in_compiled_autograd_region
+    )
 
 
 def _remove_all(handles: list[RemovableHandle]) -> None:

@@ -37,11 +37,16 @@ _READABLE = (1, 2)
 def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
     """The inner optimizer's state dict plus one ``"accumopt"`` entry (the format above).
 
+    Raises:
+        RuntimeError: a backward pass failed part-way and its partial gradient is still in
+            ``.grad`` (see ``discard``); a resumed run would train on it.
+
     Mid-window the entry holds the window's position and gradients, so a run saved mid-window
     resumes bit for bit. Tensors are referenced, not copied (as in ``torch.optim``):
     ``torch.save`` or ``copy.deepcopy`` the dict before training on. A bare ``torch.optim``
     optimizer loads it too (the extra entry is ignored).
     """
+    opt._check_not_paused("state_dict")  # a partial gradient must not be saved as the window
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
     state = opt.optimizer.state_dict()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,13 @@ from accumopt import _grads
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError
     (an accumopt wrapper is refused: wrap the inner optimizer once)."""
+    owner = _OWNERS.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    if owner is not None and owner() is not None:
+        raise TypeError(
+            "Accumulate: this optimizer is already wrapped by a live Accumulate; expected one "
+            "wrapper per inner optimizer (two would count every backward pass twice and step "
+            "the inner optimizer from both). Use the existing wrapper, or drop it (del) first."
+        )
     if getattr(type(optimizer), "_accumopt_wrapper", False):
         raise TypeError(
             "Accumulate: optimizer is already an AccumulatingOptimizer; expected a plain "
@@ -49,6 +57,17 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
             "(backward each micro-batch's share of the loss there, then return the total)."
         )
     return optimizer
+
+
+_OWNERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[object]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Inner optimizer -> the live wrapper around it (both held weakly)."""
+
+
+def claim(optimizer: torch.optim.Optimizer, wrapper: object) -> None:
+    """Record that ``wrapper`` wraps ``optimizer`` (see :func:`check_optimizer`)."""
+    _OWNERS[optimizer] = weakref.ref(wrapper)
 
 
 def check_window(every: object, every_items: object) -> tuple[int | None, float | None]:
@@ -229,6 +248,9 @@ class _StepState(Protocol):
     @property
     def _window(self) -> Any: ...
 
+    @property
+    def _counter(self) -> Any: ...
+
 
 WILL_UPDATE = (
     "True from the end of the backward pass that closes the window until step(): the next "
@@ -283,8 +305,18 @@ def check_rollback(buffer: bool | None, fsdp: bool) -> None:
         )
 
 
-def paused_message(api: str) -> str:
-    """Why ``api`` refuses to go on after a backward pass that died part-way."""
+def paused_message(api: str, compiled_autograd: bool = False) -> str:
+    """Why ``api`` refuses to go on after a backward pass that died part-way (or that ran
+    under compiled autograd, which accumopt cannot count)."""
+    if compiled_autograd:
+        return (
+            f"Accumulate.{api}: the last backward pass ran under compiled autograd "
+            "(torch._dynamo.compiled_autograd), which runs no autograd engine callbacks, so "
+            "accumopt cannot see its end and did not count it; expected compiled autograd off "
+            "(torch._dynamo.config.compiled_autograd = False) while training with Accumulate. "
+            "Call opt.discard() to drop the window, then run without it. torch.compile of the "
+            "model itself is supported. Nothing was changed by this call."
+        )
     return (
         f"Accumulate.{api}: an earlier backward pass failed part-way (say, out of "
         "memory) and its partial gradient is still in .grad; expected opt.discard() "
@@ -325,14 +357,11 @@ def inseparable_message(closed: bool) -> str:
     )
 
 
-def step_refusal(
-    closure: object, paused: bool, amp: bool, scaled: bool, opt: _StepState
-) -> Exception | None:
+def step_refusal(closure: object, amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
     """Why ``opt.step()`` must not go on, as the exception to raise, or None.
 
     Args:
         closure: the ``closure`` argument of ``step``.
-        paused: a backward pass died part-way and counting is paused.
         amp: ``step`` was called through ``GradScaler.step``.
         scaled: a ``GradScaler`` is in use (the gradients are scaled).
         opt: the wrapper.
@@ -343,8 +372,9 @@ def step_refusal(
             "window); expected step() with no argument. Compute the loss outside and call "
             "backward() and step() once per micro-batch."
         )
-    if paused:
-        return RuntimeError(paused_message("step"))
+    if opt._counter.paused:
+        compiled = opt._counter.paused_by_compiled_autograd
+        return RuntimeError(paused_message("step", compiled))
     if amp and opt.scaler is None:
         return RuntimeError(
             "Accumulate.step: called through GradScaler.step, but the wrapper was built "

@@ -83,6 +83,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step hands us grad_scale and found_inf
+    _pending_items: float | None
+    _deferred: tuple[float | None] | None
     _accumopt_wrapper = True  # what _checks.check_optimizer refuses to wrap again
 
     def __init__(
@@ -108,8 +110,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.nonfinite = _checks.check_nonfinite(nonfinite)
         self.model = _checks.check_model(model, inner)
         _checks.check_policies(self.nonfinite, self.scaler, self.buffer, is_distributed(model))
-        # Base init on throw-away copies of the groups (hook registries, step's profiling
-        # wrapper), then share the inner's containers by identity (schedulers, GradScaler).
+        # Base init on copies of the groups, then share the inner's containers by identity
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self.optimizer, self.param_groups = inner, inner.param_groups
         self.state, self.defaults = inner.state, inner.defaults
@@ -123,14 +124,13 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if isinstance(self._sync, GradSync):
             self._sync.check_fsdp(every, self.scaler, buffer_all)
         self._drop_at_step = False  # a non-finite micro-batch, kept until GradScaler saw it
-        self._defer = False  # the runner's deferred counting (see _defer_counting)
-        self._deferred: tuple[float | None] | None = None
-        self._pending_items: float | None = None
-        self._awaiting_end = False  # inside opt.backward(), until its pass is counted
+        self._defer, self._deferred = False, None  # the runner's deferred counting
+        self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
         fsdp = self._sync.fsdp
         self._counter = BackwardCounter(self._on_backward_end, model, confirm_accumulation=not fsdp)
         self._counter.watch(params)
         self._plan_sync()
+        _checks.claim(inner, self)
 
     every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
     every_items = property(lambda self: self._window.every_items, doc="Items per window, or None.")
@@ -172,7 +172,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
-            raise RuntimeError(_checks.paused_message(api))
+            compiled = self._counter.paused_by_compiled_autograd
+            raise RuntimeError(_checks.paused_message(api, compiled))
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner)."""
@@ -204,12 +205,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return None
 
     def drop_micro_step(self) -> None:
-        """Drop the micro-step in flight (``.grad`` set to None), keeping every finished one:
-        exact when the window buffer holds them (``buffer=True``, :meth:`enable_rollback`).
-
-        Raises:
-            RuntimeError: the window is complete, or finished micro-steps live in ``.grad``.
-        """
+        """Drop the micro-step in flight (``.grad`` set to None), keeping every finished one
+        (``buffer=True``, :meth:`enable_rollback`). Raises RuntimeError if the window is
+        complete or finished micro-steps live in ``.grad``."""
         if self._window.closed or not self._buffer.separable(self._window.micro_step):
             raise RuntimeError(_checks.inseparable_message(self._window.closed))
         for p in params_of(self.param_groups):
@@ -228,6 +226,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             RuntimeError: the wrapper was built with ``buffer=False``, or holds an FSDP2 model.
         """
         _checks.check_rollback(self.buffer, self._sync.fsdp)
+        self._check_not_paused("enable_rollback")
         params = params_of(self.param_groups)
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)
         self._plan_sync()
@@ -268,7 +267,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _step(self, closure: None = None) -> None:
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
         scaled = self._buffer.loss_scale() is not None
-        problem = _checks.step_refusal(closure, self._counter.paused, amp, scaled, self)
+        problem = _checks.step_refusal(closure, amp, scaled, self)
         if problem is not None:  # GradScaler deletes these only after a step() that returns
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
