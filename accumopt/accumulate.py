@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from accumopt import _checkpoint, _checks
+from accumopt import _checkpoint, _checks, _refusals
 from accumopt._backward_counter import BackwardCounter
 from accumopt._grads import params_of
 from accumopt._window import Window
@@ -135,8 +135,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
     every_items = property(lambda self: self._window.every_items, doc="Items per window, or None.")
     micro_step = property(lambda self: self._window.micro_step, doc="Micro-steps in the window.")
-    items = property(lambda self: self._window.items, doc=_checks.ITEMS)
-    will_update = property(lambda self: self._window.closed, doc=_checks.WILL_UPDATE)
+    items = property(lambda self: self._window.items, doc=_refusals.ITEMS)
+    will_update = property(lambda self: self._window.closed, doc=_refusals.WILL_UPDATE)
 
     def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
         """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
@@ -173,14 +173,14 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
             compiled = self._counter.paused_by_compiled_autograd
-            raise RuntimeError(_checks.paused_message(api, compiled))
+            raise RuntimeError(_refusals.paused_message(api, compiled))
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner)."""
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
         refusal = self._window.refusal(items is not None)
         if refusal is not None:
-            raise refusal[0](f"{refusal[1]} {_checks.UNREFUSABLE}")
+            raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
         self._window.stepped = False
         if self._defer:
             self._deferred = (items,)
@@ -192,7 +192,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(groups):
             if self.nonfinite == "raise":
                 self.drop_micro_step()
-                raise FloatingPointError(_checks.nonfinite_message(self._window.micro_step + 1))
+                raise FloatingPointError(_refusals.nonfinite_message(self._window.micro_step + 1))
             self.skipped_micro_steps += 1
             # GradScaler.step must still see the inf to back off its scale: drop it there
             self._drop_at_step = self._buffer.loss_scale() is not None
@@ -209,7 +209,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         (``buffer=True``, :meth:`enable_rollback`). Raises RuntimeError if the window is
         complete or finished micro-steps live in ``.grad``."""
         if self._window.closed or not self._buffer.separable(self._window.micro_step):
-            raise RuntimeError(_checks.inseparable_message(self._window.closed))
+            raise RuntimeError(_refusals.inseparable_message(self._window.closed))
         for p in params_of(self.param_groups):
             p.grad = None
         self._pending_items = None
@@ -225,7 +225,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: the wrapper was built with ``buffer=False``, or holds an FSDP2 model.
         """
-        _checks.check_rollback(self.buffer, self._sync.fsdp)
+        _refusals.check_rollback(self.buffer, self._sync.fsdp)
         self._check_not_paused("enable_rollback")
         params = params_of(self.param_groups)
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)
@@ -267,7 +267,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _step(self, closure: None = None) -> None:
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
         scaled = self._buffer.loss_scale() is not None
-        problem = _checks.step_refusal(closure, amp, scaled, self)
+        problem = _refusals.step_refusal(closure, amp, scaled, self)
         if problem is not None:  # GradScaler deletes these only after a step() that returns
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)

@@ -1,0 +1,159 @@
+"""The wrapper's refusals that depend on its state (a closed window, a paused counter, an AMP
+step without a scaler...), and the texts of its read-outs' docstrings.
+
+Every message follows the template of :mod:`accumopt._checks`: what is wrong; expected what;
+what to do. Each refusal is decided before any state changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class _StepState(Protocol):
+    """What :func:`step_refusal` reads of the wrapper."""
+
+    scaler: torch.amp.GradScaler | None
+    model: torch.nn.Module | None
+
+    @property
+    def will_update(self) -> bool: ...
+
+    @property
+    def _window(self) -> Any: ...
+
+    @property
+    def _counter(self) -> Any: ...
+
+
+WILL_UPDATE = (
+    "True from the end of the backward pass that closes the window until step(): the next "
+    "step() applies the update (under AMP, unless the window saw an inf/NaN)."
+)
+"""The docstring of ``Accumulate.will_update``."""
+
+ITEMS = (
+    "Items counted in the open window (float; 0.0 if unweighted). Under DDP/FSDP2: over all "
+    "ranks for a window in items; this rank's own for a window in micro-steps until the "
+    "boundary, where they are summed over the ranks."
+)
+"""The docstring of ``Accumulate.items``."""
+
+
+def check_rollback(buffer: bool | None, fsdp: bool) -> None:
+    """Refuse ``enable_rollback()`` where a failed micro-batch cannot be dropped alone."""
+    if buffer is False:
+        raise RuntimeError(
+            "Accumulate.enable_rollback: the wrapper was built with buffer=False; expected "
+            "buffer=None or True, so that a failed micro-batch can be dropped alone."
+        )
+    if fsdp:
+        raise RuntimeError(
+            "Accumulate.enable_rollback: the gradients of an FSDP2 model are sharded and "
+            "reduce-scattered by FSDP2 itself, so a failed micro-batch cannot be dropped "
+            "alone; expected a DDP or single-process model for OOM recovery."
+        )
+
+
+def paused_message(api: str, compiled_autograd: bool = False) -> str:
+    """Why ``api`` refuses to go on after a backward pass that died part-way (or that ran
+    under compiled autograd, which accumopt cannot count)."""
+    if compiled_autograd:
+        return (
+            f"Accumulate.{api}: the last backward pass ran under compiled autograd "
+            "(torch._dynamo.compiled_autograd), which runs no autograd engine callbacks, so "
+            "accumopt cannot see its end and did not count it; expected compiled autograd off "
+            "(torch._dynamo.config.compiled_autograd = False) while training with Accumulate. "
+            "Call opt.discard() to drop the window, then run without it. torch.compile of the "
+            "model itself is supported. Nothing was changed by this call."
+        )
+    return (
+        f"Accumulate.{api}: an earlier backward pass failed part-way (say, out of "
+        "memory) and its partial gradient is still in .grad; expected opt.discard() "
+        "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
+        "that micro-step alone) first. Nothing was changed by this call."
+    )
+
+
+UNREFUSABLE = (
+    "This backward pass did not go through opt.backward(), so it could not be refused before "
+    "its gradient was added to .grad: call opt.discard() to drop the window, then fix the loop."
+)
+"""Appended to a window's refusal raised at the end of a plain ``loss.backward()``."""
+
+
+def nonfinite_message(micro_step: int) -> str:
+    """``nonfinite="raise"``: micro-step ``micro_step`` of the window was dropped."""
+    return (
+        f"Accumulate: the gradient of micro-step {micro_step} of the open window holds an inf "
+        "or NaN; it was dropped and the window is intact. Check that micro-batch's inputs and "
+        "loss, or use nonfinite='skip_micro_batch'."
+    )
+
+
+def inseparable_message(closed: bool) -> str:
+    """Why ``drop_micro_step()`` cannot drop the micro-step in flight alone."""
+    if closed:
+        return (
+            "Accumulate.drop_micro_step: the window is complete and its gradient formed; "
+            "expected a micro-step whose backward pass failed or is not yet counted. Call "
+            "opt.discard() to drop the whole window."
+        )
+    return (
+        "Accumulate.drop_micro_step: finished micro-steps of the open window live in "
+        ".grad, so the one in flight cannot be dropped alone; expected buffer=True (or "
+        "opt.enable_rollback() before the window) and, under a GradScaler, "
+        "scaler.step(opt) after every backward pass."
+    )
+
+
+def step_refusal(closure: object, amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
+    """Why ``opt.step()`` must not go on, as the exception to raise, or None.
+
+    Args:
+        closure: the ``closure`` argument of ``step``.
+        amp: ``step`` was called through ``GradScaler.step``.
+        scaled: a ``GradScaler`` is in use (the gradients are scaled).
+        opt: the wrapper.
+    """
+    if closure is not None:
+        return TypeError(
+            "Accumulate.step: closures are not supported (the inner step runs once per "
+            "window); expected step() with no argument. Compute the loss outside and call "
+            "backward() and step() once per micro-batch."
+        )
+    if opt._counter.paused:
+        compiled = opt._counter.paused_by_compiled_autograd
+        return RuntimeError(paused_message("step", compiled))
+    if amp and opt.scaler is None:
+        return RuntimeError(
+            "Accumulate.step: called through GradScaler.step, but the wrapper was built "
+            "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
+            "each micro-step is unscaled with its own loss scale."
+        )
+    if opt._window.stepped:
+        hint = (
+            "Check that the loss depends on the wrapped parameters; parameters that were "
+            "frozen when the wrapper was built are counted from the next real zero_grad() on."
+        )
+        if opt.model is not None:
+            hint += (
+                f" With model= a backward pass is counted when it reaches a tensor returned "
+                f"by the {type(opt.model).__qualname__} given (in a tuple, list or dict): "
+                "check that the loss is computed from model(...)'s outputs, or use "
+                "opt.backward(loss) for other losses."
+            )
+        return RuntimeError(
+            "Accumulate.step: no backward pass since the last step(); expected one "
+            "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
+            f"step(). ({hint})"
+        )
+    if opt.will_update and not amp and scaled:
+        return RuntimeError(
+            "Accumulate.step: the window is complete but step() was not called through "
+            "the GradScaler given as scaler=, so the gradients are still scaled; expected "
+            "scaler.step(opt) followed by scaler.update()."
+        )
+    return None
