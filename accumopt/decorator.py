@@ -38,8 +38,9 @@ def apply(
     """Decorate a loss function so that each call runs its batch as micro-batches.
 
     Args:
-        batch_names: the keyword arguments that hold batch tensors (or nestings of tensors)
-            sharing dim 0; they must be passed by keyword.
+        batch_names: the keyword arguments that hold batch tensors (or nestings of tensors,
+            per-sample lists, Mappings and dataclasses, cut as by
+            :func:`accumopt.split.micro_split`) sharing dim 0; they must be passed by keyword.
         ub_size: rows per micro-batch (int >= 1); the last one may be shorter.
         device: where each micro-batch is moved before the call (int: a CUDA index).
         device_ids: accepted for signature compatibility with mbp-pytorch; only ``None``.
@@ -54,8 +55,9 @@ def apply(
     Raises:
         ValueError: ``ub_size`` not a positive int; ``device_ids`` given; at call time, the
             batch arguments disagree on dim 0 or are empty.
-        TypeError: at call time, a batch argument is missing or passed positionally; the
-            function does not return a scalar loss tensor first.
+        TypeError: at call time, a batch argument is missing or passed positionally, holds
+            no tensor or a tensor whose rows cannot be cut; the function does not return a
+            scalar loss tensor first.
     """
     if isinstance(ub_size, bool) or not isinstance(ub_size, int) or ub_size < 1:
         raise ValueError(f"apply: ub_size={ub_size!r}; expected rows per micro-batch, an int >= 1.")
@@ -78,8 +80,8 @@ def apply(
                     + ")."
                 )
             batch = {name: kwargs[name] for name in batch_names}
-            n = _tree.batch_size(batch, "apply")
-            rows_of = _tree.RowSlicer(batch, target)
+            rows_of = _tree.RowSlicer(batch, target, api="apply")
+            n = rows_of.rows
             total: Tensor | None = None
             others: list[tuple[Any, ...]] = []
             single = True
@@ -110,5 +112,5 @@ def apply(
 
 def _gather(column: list[Any]) -> Any:
     if isinstance(column[0], Tensor) and column[0].dim() > 0:
-        return torch.cat(column)
+        return _tree.concat(column, api="apply")
     return column if len(column) > 1 else column[0]

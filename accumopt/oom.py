@@ -25,14 +25,20 @@ OOM_MESSAGES = (
 
 
 def is_oom(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error that a smaller micro-batch may avoid.
+    """Whether ``error``, or an exception it wraps, is an out-of-memory error that a smaller
+    micro-batch may avoid.
+
+    Each exception of the chain Python prints in a traceback is checked: ``error``, its
+    ``__cause__`` (``raise ... from oom``) and its ``__context__`` (raised while handling
+    ``oom``; not followed after ``raise ... from None``), and theirs in turn; a cycle in the
+    chain is walked once.
 
     Args:
         error: any exception.
 
     Returns:
-        True for ``torch.OutOfMemoryError`` (any text) and for a ``RuntimeError`` whose
-        message contains one of :data:`OOM_MESSAGES`.
+        True when an exception of the chain is a ``torch.OutOfMemoryError`` (any text) or a
+        ``RuntimeError`` whose message contains one of :data:`OOM_MESSAGES`.
 
     Example:
         >>> is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
@@ -41,13 +47,34 @@ def is_oom(error: BaseException) -> bool:
         True
         >>> is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
         False
+        >>> try:
+        ...     try:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory")
+        ...     except torch.OutOfMemoryError as oom:
+        ...         raise RuntimeError("forward of block 3 failed") from oom
+        ... except RuntimeError as wrapped:
+        ...     is_oom(wrapped)
+        True
     """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        if _is_oom_itself(link):
+            return True
+        pending.append(link.__cause__)
+        if not link.__suppress_context__:
+            pending.append(link.__context__)
+    return False
+
+
+def _is_oom_itself(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    if not isinstance(error, RuntimeError):
-        return False
-    text = str(error)
-    return any(fragment in text for fragment in OOM_MESSAGES)
+    return isinstance(error, RuntimeError) and any(f in str(error) for f in OOM_MESSAGES)
 
 
 def free_memory() -> None:

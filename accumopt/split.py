@@ -1,8 +1,9 @@
 """Split a nested batch into one piece per device: ``micro_split(batch, devices)``.
 
-Every tensor leaf is cut along dim 0 and each piece is moved straight to its own device (no
-staging on the first GPU, unlike ``torch.nn.DataParallel``'s scatter); non-tensor leaves are
-handed to every piece unchanged. No sample is dropped or duplicated.
+Every tensor leaf and every per-sample list is cut along the rows and each piece is moved
+straight to its own device (no staging on the first GPU, unlike ``torch.nn.DataParallel``'s
+scatter); other leaves are handed to every piece unchanged. No sample is dropped or
+duplicated. :class:`PerSample` and :class:`Broadcast` override the rule for one value.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree
 
 from accumopt import _tree
+from accumopt._tree import Broadcast, PerSample
+
+__all__ = ["Batch", "Broadcast", "DeviceLike", "PerSample", "Piece", "micro_split"]
 
 Batch: TypeAlias = Any
-"""A tensor, or a dict / list / tuple / NamedTuple nesting (any depth) with tensor leaves."""
+"""A tensor, or a nesting (any depth) of dicts, lists, tuples, NamedTuples, Mappings and
+dataclasses with tensor leaves (the rules: :mod:`accumopt._tree`)."""
 
 DeviceLike: TypeAlias = str | torch.device | int
 """``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or an int (a CUDA index)."""
@@ -30,8 +34,9 @@ class Piece(NamedTuple):
     """One device's share of a batch, as returned by :func:`micro_split`.
 
     Attributes:
-        batch: the same nesting as the input batch; tensor leaves hold rows ``i:i+size``
-            (dim 0) on ``device``, non-tensor leaves are the input's objects.
+        batch: the same nesting (and container types) as the input batch; tensor leaves and
+            per-sample lists hold rows ``i:i+size`` (tensors on ``device``), other leaves are
+            the input's objects.
         size: rows (samples) in this piece, an int >= 0 (0 only with ``weights=``).
         device: the device the piece's tensors were moved to.
     """
@@ -46,11 +51,24 @@ def micro_split(
 ) -> list[Piece]:
     """Split ``batch`` along dim 0 into one piece per listed device, and move each piece there.
 
-    Every tensor leaf is sliced (``leaf[i:j]``, a view) and moved with
-    ``.to(device, non_blocking=True)``; a CPU slice bound for a CUDA device is pinned first, so
-    the copy is asynchronous. Each piece goes straight to its device: nothing is staged on the
-    first GPU. Non-tensor leaves (ints, strings, None, ...) are passed to every piece as they
-    are. Concatenating the pieces leaf by leaf gives the batch back exactly.
+    Every tensor leaf is cut to its rows and moved with ``.to(device, non_blocking=True)``;
+    a dense CPU slice bound for a CUDA device is pinned first, so the copy is asynchronous.
+    Each piece goes straight to its device: nothing is staged on the first GPU. Concatenating
+    the pieces leaf by leaf gives the batch back exactly.
+
+    What is cut (the full rules are in :mod:`accumopt._tree`'s docstring):
+
+    - **tensors**, along dim 0: dense ones as views (``leaf[i:j]``), and sparse COO, sparse
+      CSR, batched sparse compressed, nested (jagged or strided) and quantized tensors and
+      tensor subclasses each their own way; 2-D CSC/BSR/BSC and MKL-DNN tensors are refused;
+    - **per-sample sequences**: a ``list`` or ``tuple`` holding no tensor (captions, ids,
+      lists of tokens) whose length equals the batch's rows ``n`` gets ``seq[i:j]``; one of
+      another length is passed whole, as are other non-tensor leaves (ints, strings, None);
+    - **containers**: dict, list, tuple, NamedTuple and other pytree nodes, plus Mapping
+      subclasses (``UserDict``, ``transformers.BatchEncoding``) and dataclass instances, which
+      each piece gets as the same class;
+    - **overrides**: ``PerSample(value)`` is always cut (e.g. a list of tensors of different
+      lengths), ``Broadcast(value)`` never (e.g. a tuple that happens to have ``n`` entries).
 
     Without ``weights`` the sizes differ by at most one row, the first pieces getting the extra
     rows (10 rows on 3 devices: 4, 3, 3). With ``weights`` (e.g. for unequal GPUs) piece ``k``
@@ -59,9 +77,9 @@ def micro_split(
     ``n``; a device whose share rounds down to 0 gets an empty piece (``size == 0``).
 
     Args:
-        batch: a tensor, or a dict / list / tuple / NamedTuple nesting of any depth (flattened
-            with ``torch.utils._pytree``). All tensor leaves must have the same length ``n``
-            along dim 0, with ``n >= len(devices)``.
+        batch: a tensor, or a nesting of any depth as above. All tensor leaves (and
+            ``PerSample`` values) must have the same length ``n`` along dim 0, with
+            ``n >= len(devices)``.
         devices: one entry per piece, in order: ``"cpu"``, ``"cuda"`` (the current CUDA
             device), ``"cuda:1"``, a ``torch.device``, or an int (CUDA index). A device may
             be listed more than once.
@@ -71,12 +89,14 @@ def micro_split(
         ``[Piece(batch, size, device), ...]``, one per listed device, in order.
 
     Shapes:
-        leaf ``(n, ...)`` -> piece leaves ``(size_k, ...)`` with ``sum(size_k) == n``; dtypes
-        are kept.
+        leaf ``(n, ...)`` -> piece leaves ``(size_k, ...)`` with ``sum(size_k) == n``; dtypes,
+        layouts and tensor subclasses are kept; per-sample sequences of ``n`` -> ``size_k``.
 
     Raises:
         TypeError: ``devices`` is not a list, or has an entry of another type; no tensor
-            leaf in ``batch``; ``weights`` is not a list of numbers.
+            leaf in ``batch``; a tensor of a kind whose rows cannot be cut, or that torch
+            cannot move; a Mapping or dataclass that cannot be rebuilt; ``weights`` is not a
+            list of numbers.
         ValueError: an empty batch, fewer rows than devices, leaves of different lengths, a
             0-dim tensor leaf; an unknown device string, a CUDA device without CUDA or out of
             range; ``weights`` of the wrong length, not positive or not finite.
@@ -85,6 +105,9 @@ def micro_split(
         >>> pieces = micro_split({"x": torch.zeros(5, 3), "tag": "train"}, ["cpu", "cpu"])
         >>> [(p.batch["x"].shape[0], p.batch["tag"], p.size) for p in pieces]
         [(3, 'train', 3), (2, 'train', 2)]
+        >>> batch = {"img": torch.zeros(4, 3), "txt": ["a", "b", "c", "d"], "size": (1, 2)}
+        >>> [(p.batch["txt"], p.batch["size"]) for p in micro_split(batch, ["cpu", "cpu"])]
+        [(['a', 'b'], (1, 2)), (['c', 'd'], (1, 2))]
 
     References:
         padertorch's trainer (one example per GPU, moved directly to its device) and
@@ -92,19 +115,18 @@ def micro_split(
     """
     targets = _check_devices(devices)
     shares = _check_weights(weights, len(targets))
-    n = _batch_length(batch, len(targets))
-    leaves, spec = _pytree.tree_flatten(batch)
-    sizes = _sizes(n, shares)
+    rows_of = _tree.RowSlicer(batch, None, api="micro_split")
+    n = rows_of.rows
+    if n < len(targets):
+        raise ValueError(
+            f"micro_split: the batch has {n} rows for {len(targets)} devices; expected at least "
+            "one row per device. List fewer devices, or pass a larger batch."
+        )
     pieces: list[Piece] = []
     start = 0
-    for device, size in zip(targets, sizes):
-        stop = start + size
-        moved = [
-            _tree.move(leaf[start:stop], device) if isinstance(leaf, Tensor) else leaf
-            for leaf in leaves
-        ]
-        pieces.append(Piece(_pytree.tree_unflatten(moved, spec), size, device))
-        start = stop
+    for device, size in zip(targets, _sizes(n, shares)):
+        pieces.append(Piece(rows_of.cut(start, start + size, device), size, device))
+        start += size
     return pieces
 
 
@@ -116,16 +138,6 @@ def _sizes(n: int, shares: list[Fraction]) -> list[int]:
     for k in by_remainder[: n - sum(sizes)]:
         sizes[k] += 1
     return sizes
-
-
-def _batch_length(batch: Any, n_devices: int) -> int:
-    n = _tree.batch_size(batch, "micro_split")
-    if n < n_devices:
-        raise ValueError(
-            f"micro_split: the batch has {n} rows for {n_devices} devices; expected at least "
-            "one row per device. List fewer devices, or pass a larger batch."
-        )
-    return n
 
 
 def _check_devices(devices: object) -> list[torch.device]:

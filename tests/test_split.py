@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
-from collections.abc import Callable
+from collections import UserDict
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -11,7 +13,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils import _pytree
 
 import accumopt._tree
 import accumopt.split
@@ -25,9 +26,18 @@ class Pair(NamedTuple):
     second: Any
 
 
+@dataclasses.dataclass
+class Box:
+    """A container torch's pytree does not know (as is ``UserDict``)."""
+
+    first: Any
+    second: Any
+
+
 @st.composite
 def nested_batches(draw: st.DrawFn) -> tuple[Any, int]:
-    """A random dict/list/tuple/NamedTuple nesting with >= 1 tensor leaf, all of ``n`` rows."""
+    """A random dict/list/tuple/NamedTuple/UserDict/dataclass nesting with >= 1 tensor leaf of
+    ``n`` rows, and lists of ``n`` captions."""
     n = draw(st.integers(1, 12))
     counter = iter(range(10**6))
 
@@ -43,13 +53,19 @@ def nested_batches(draw: st.DrawFn) -> tuple[Any, int]:
         st.sampled_from([torch.float64, torch.int64, torch.float32, torch.bool]),
     )
     others = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.floats(allow_nan=False))
+    # a list of n captions: cut with the rows (shorter or longer lists arise from `tree` below)
+    captions = st.lists(st.text(max_size=2), min_size=n, max_size=n)
     tree = st.recursive(
-        st.one_of(tensors, others),
+        st.one_of(tensors, others, captions),
         lambda inner: st.one_of(
             st.lists(inner, max_size=3),
             st.tuples(inner, inner),
             st.dictionaries(st.text("abxy", min_size=1, max_size=2), inner, max_size=3),
             st.builds(Pair, inner, inner),
+            st.builds(Box, inner, inner),
+            st.dictionaries(st.text("abxy", min_size=1, max_size=2), inner, max_size=3).map(
+                UserDict
+            ),
         ),
         max_leaves=8,
     )
@@ -65,24 +81,64 @@ def nested_batches(draw: st.DrawFn) -> tuple[Any, int]:
     return batch, n
 
 
-def _leaves(batch: Any) -> list[Any]:
-    return _pytree.tree_leaves(batch)
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_holds_tensor(v) for v in obj.values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return isinstance(obj, (list, tuple)) and any(_holds_tensor(v) for v in obj)
 
 
-def _check_round_trip(batch: Any, pieces: list[Piece], devices: list[str]) -> None:
-    spec = _pytree.tree_structure(batch)
+def expected_rows(obj: Any, i: int, j: int, n: int) -> Any:
+    """Rows ``i:j`` of ``obj`` by the documented rules, written out without pytree: tensors and
+    tensor-free lists/tuples of length ``n`` are cut, containers are rebuilt, the rest kept."""
+    if isinstance(obj, torch.Tensor):
+        return obj[i:j]
+    if type(obj) in (list, tuple) and not _holds_tensor(obj):
+        return obj[i:j] if len(obj) == n else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: expected_rows(v, i, j, n) for k, v in obj.items()})
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        changes = {name: expected_rows(getattr(obj, name), i, j, n) for name in fields}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(expected_rows(v, i, j, n) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(expected_rows(v, i, j, n) for v in obj)
+    return obj
+
+
+def assert_same(actual: Any, expected: Any, device: torch.device) -> None:
+    """Same nesting and container types, equal tensors (on ``device``), the same other objects."""
+    assert type(actual) is type(expected)
+    if isinstance(expected, torch.Tensor):
+        assert actual.device == device and actual.dtype == expected.dtype
+        assert actual.shape == expected.shape and torch.equal(actual.cpu(), expected.cpu())
+    elif isinstance(expected, Mapping):
+        assert list(actual) == list(expected)
+        for k in expected:
+            assert_same(actual[k], expected[k], device)
+    elif dataclasses.is_dataclass(expected):
+        for f in dataclasses.fields(expected):
+            assert_same(getattr(actual, f.name), getattr(expected, f.name), device)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_same(a, e, device)
+    else:
+        assert actual is expected
+
+
+def _check_round_trip(batch: Any, pieces: list[Piece], devices: list[str], n: int) -> None:
     assert [p.device for p in pieces] == [torch.device(d) for d in devices]
-    columns = list(zip(*(_leaves(p.batch) for p in pieces)))
+    start = 0
     for piece in pieces:
-        assert _pytree.tree_structure(piece.batch) == spec
-    for original, parts in zip(_leaves(batch), columns):
-        if isinstance(original, torch.Tensor):
-            for part, piece in zip(parts, pieces):
-                assert part.device == piece.device and part.dtype == original.dtype
-                assert part.shape == (piece.size, *original.shape[1:])
-            assert torch.equal(torch.cat([p.cpu() for p in parts]), original.cpu())
-        else:
-            assert all(part is original for part in parts)
+        assert_same(piece.batch, expected_rows(batch, start, start + piece.size, n), piece.device)
+        start += piece.size
+    assert start == n
 
 
 @settings(max_examples=150, deadline=None)
@@ -92,7 +148,7 @@ def test_pieces_concatenate_back_to_the_batch(case: tuple[Any, int], n_devices: 
     n_devices = min(n_devices, n)
     devices = ["cpu"] * n_devices
     pieces = micro_split(batch, devices)
-    _check_round_trip(batch, pieces, devices)
+    _check_round_trip(batch, pieces, devices, n)
     sizes = [p.size for p in pieces]
     # sizes differ by at most one, the first pieces get the extra rows
     assert sizes == [n // n_devices + (k < n % n_devices) for k in range(n_devices)]
@@ -112,7 +168,7 @@ def test_weighted_sizes_follow_the_shares(case: tuple[Any, int], weights: list[A
     weights = weights[:n]
     devices = ["cpu"] * len(weights)
     pieces = micro_split(batch, devices, weights=weights)
-    _check_round_trip(batch, pieces, devices)
+    _check_round_trip(batch, pieces, devices, n)
     exact = [Fraction(w) for w in weights]
     sizes = [p.size for p in pieces]
     assert sum(sizes) == n
@@ -375,6 +431,6 @@ def test_cuda_pieces_land_on_their_device() -> None:
     batch = {"x": torch.randn(11, 3), "y": [torch.arange(11).cuda()], "tag": "t"}
     pieces = micro_split(batch, devices)
     torch.cuda.synchronize()
-    _check_round_trip(batch, pieces, devices)
+    _check_round_trip(batch, pieces, devices, 11)
     for piece in pieces:
         assert piece.batch["x"].device == piece.device == piece.batch["y"][0].device
