@@ -16,7 +16,12 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 
 #: Peers compared with accumopt: import name -> distribution name on PyPI.
-PEERS = {"accelerate": "accelerate", "lightning": "lightning", "mbp": "mbp-pytorch"}
+PEERS = {
+    "accelerate": "accelerate",
+    "lightning": "lightning",
+    "mbp": "mbp-pytorch",
+    "toma": "toma",
+}
 
 
 def available(module: str) -> bool:
@@ -85,22 +90,6 @@ def _numeric(cell: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def add_round_options(parser: argparse.ArgumentParser, unit: str) -> None:
-    """``--quick``, ``--repeats``, ``--warmup`` and ``--k`` (``unit`` per optimizer step) of the
-    interleaved timing scripts; :func:`round_counts` resolves the defaults."""
-    parser.add_argument("--quick", action="store_true", help="7 rounds and 2 warm-up rounds")
-    parser.add_argument("--repeats", type=int, help="counted rounds (default 61; 7 with --quick)")
-    parser.add_argument("--warmup", type=int, help="rounds not counted (default 3; 2 with --quick)")
-    parser.add_argument("--k", type=int, default=8, help=f"{unit} per optimizer step")
-
-
-def round_counts(args: argparse.Namespace) -> tuple[int, int]:
-    """(counted rounds, warm-up rounds) from the options of :func:`add_round_options`."""
-    repeats = args.repeats if args.repeats is not None else (7 if args.quick else 61)
-    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    return repeats, warmup
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:

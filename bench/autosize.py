@@ -19,6 +19,10 @@ own starting point against the same limit, driven through its real code:
   restores the initial checkpoint afterwards, so all its passes are wasted.
 - **toma**: ``toma.simple.batch(step, 4096)``, halving on OOM. Failed calls are wasted.
 
+The cost of a search is given in wasted rows (the rows of the wasted passes) and in wasted rows
+per row trained: the rows of the passes that did train (accumopt's successful micro-batches
+while it searched, the peers' one successful step; none for Lightning's finder).
+
 The peers recognise OOM by message text, accumopt by type first (``torch.OutOfMemoryError``) and
 then by the known texts. The efficiency table uses ``torch.OutOfMemoryError`` with torch's own
 CUDA text, which every method recognises. The recognition table repeats every method at one
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import add_json_option, available, markdown_table, write_json
-from overhead import quiet_peers
+from _loops import quiet_peers, settle, sum_loss
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -100,50 +104,12 @@ class Net(nn.Module):
             raise self.error() from err
 
 
-def sum_loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """Summed squared error of a micro-batch (the runner weights it by its rows)."""
-    x, y = batch
-    return F.mse_loss(net(x), y, reduction="sum")
-
-
 def sgd_step(net: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, rows: int) -> int:
     """One plain SGD step on the first ``rows`` rows (the function the peers retry)."""
     F.mse_loss(net(x[:rows]), y[:rows]).backward()
     opt.step()
     opt.zero_grad()
     return rows
-
-
-@dataclass
-class Settled:
-    """Where the runner's search ended: the steady micro-batch size and the batches it took."""
-
-    size: int
-    batches: int
-    settled: bool
-
-
-def settle(runner: MicroBatchRunner, batch: Any, sizes: list[int], max_batches: int) -> Settled:
-    """Feed ``batch`` to ``runner`` until a batch runs without OOM and starts at the same size as
-    the previous batch (the last micro-batch of a batch is whatever rows are left, so the size
-    is read from each batch's first attempt).
-
-    Args:
-        runner: a ``MicroBatchRunner`` with ``micro_batch_size="auto"``.
-        batch: the batch fed on every call.
-        sizes: the list a forward hook appends every attempt's row count to
-            (``simulate_oom``'s ``record.sizes``).
-        max_batches: give up after this many batches (``settled`` is then False).
-    """
-    previous = None
-    for count in range(1, max_batches + 1):
-        start, ooms = len(sizes), runner.ooms
-        runner(batch)
-        first = sizes[start]
-        if runner.ooms == ooms and first == previous:
-            return Settled(first, count, True)
-        previous = first
-    return Settled(sizes[start], max_batches, False)
 
 
 def run_accumopt(net: Net, x: Tensor, y: Tensor, sizes: list[int]) -> int:
@@ -245,6 +211,7 @@ class Outcome:
     passes: int
     wasted_passes: int
     wasted_rows: int
+    trained_rows: int
 
 
 def search(name: str, limit: int, error: str) -> Outcome:
@@ -260,6 +227,7 @@ def search(name: str, limit: int, error: str) -> Outcome:
         except Exception as err:  # reported, not raised: a peer that misses the error
             escaped = type(err).__name__
     wasted = record.sizes if method.all_wasted else record.raised
+    trained = 0 if method.all_wasted else sum(record.sizes) - sum(record.raised)
     return Outcome(
         name,
         limit,
@@ -270,6 +238,7 @@ def search(name: str, limit: int, error: str) -> Outcome:
         len(record.sizes),
         len(wasted),
         sum(wasted),
+        trained,
     )
 
 
@@ -278,7 +247,7 @@ def efficiency_table(outcomes: list[Outcome]) -> str:
     rows = []
     for o in outcomes:
         if o.found is None:
-            rows.append([o.method, str(o.limit), f"missed ({o.escaped})", *["-"] * 6])
+            rows.append([o.method, str(o.limit), f"missed ({o.escaped})", *["-"] * 8])
             continue
         target = "-"
         if o.method == "accumopt":
@@ -294,6 +263,8 @@ def efficiency_table(outcomes: list[Outcome]) -> str:
                 str(o.passes),
                 str(o.wasted_passes),
                 str(o.wasted_rows),
+                str(o.trained_rows),
+                f"{o.wasted_rows / o.trained_rows:.2f}" if o.trained_rows else "all wasted",
                 target,
             ]
         )
@@ -306,6 +277,8 @@ def efficiency_table(outcomes: list[Outcome]) -> str:
         "forward passes",
         "wasted passes",
         "wasted rows",
+        "rows trained",
+        "wasted / trained",
         f"target (>= 0.95 L, <= {MAX_FAILURES} failed)",
     ]
     return markdown_table(header, rows)

@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     markdown = (
         f"DDP over {WORLD} gloo processes, MLP 4 x Linear(256, 256) (1.0 MiB of float32 "
-        f"gradients, one bucket), k = {args.k}, {args.windows} measured windows.\n\n"
+        f"gradients, one bucket), k = {args.k}, {args.windows} measured windows. The counts are "
+        "exact; the times are rank 0's wall clock, median over the windows, with the three "
+        "loops run one after another (not interleaved, no A/A pair): a rough guide only.\n\n"
         + markdown_table(
-            ["loop", "all-reduces per step", "MiB all-reduced per step", "ms per step"], rows
+            ["loop", "all-reduces per step", "MiB all-reduced per step", "wall ms per step"], rows
         )
     )
     print(markdown)

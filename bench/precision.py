@@ -4,21 +4,29 @@ For a small bf16 MLP and windows of k micro-batches (8 samples each), the relati
 ``||g - g_ref|| / ||g_ref||`` of the gradient handed to the inner optimizer is compared with
 the *floor*: the median error of a single bf16 micro-batch gradient against its own float64
 value. ``g_ref`` is the float64 gradient of the same (bf16-representable) weights and inputs,
-so only arithmetic rounding is measured. Also times a window with the buffer on and off.
+so only arithmetic rounding is measured.
 
-Run: ``python bench/precision.py [--seeds 5] [--ks 16 256 1024] [--json PATH]``.
+Also times one window of 64 bf16 micro-steps with the buffer off (twice: an A/A pair), on,
+and on with ``nonfinite="skip_micro_batch"``, each configuration on its own copy of the model,
+in interleaved rounds (all four once per round, in a fresh random order; garbage collection
+off; thread CPU clock): medians of the per-round ratios to "buffer off".
+
+Run: ``python bench/precision.py [--seeds 5] [--ks 16 256 1024] [--rounds 15] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import random
 import statistics
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import add_json_option, markdown_table, write_json
+from _common import add_json_option, markdown_table, quartiles, write_json
+from _interleave import timed
 from torch import nn
 
 from accumopt import Accumulate
@@ -66,28 +74,64 @@ def gradient_errors(k: int, buffer: bool | None, seed: int = 0) -> tuple[float, 
     return _rel(window, ref), statistics.median(singles)
 
 
-def window_time(k: int = 64, repeats: int = 15, **options: Any) -> float:
-    """Median seconds for one window of k bf16 micro-steps with the given ``Accumulate``
-    options (``buffer=``, ``nonfinite=``)."""
+#: timed configurations: name -> ``Accumulate`` options ("buffer off" twice: the A/A pair)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "buffer off": {"buffer": False},
+    "buffer off (A/A)": {"buffer": False},
+    "buffer on": {"buffer": True},
+    "buffer on, skip_micro_batch": {"buffer": True, "nonfinite": "skip_micro_batch"},
+}
+
+
+def window_times(k: int = 64, rounds: int = 15, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """One window of k bf16 micro-steps per configuration of :data:`CONFIGS`, each on its own
+    copy of the model, in interleaved rounds (a fresh random order every round, garbage
+    collection off), timed on the thread CPU clock. Per configuration: the median ms per window
+    and the quartiles of its per-round ratio to "buffer off"."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 10)).to(torch.bfloat16)
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=k, **options)
     x, y = torch.randn(32, 256).bfloat16(), torch.randn(32, 10).bfloat16()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(k):
-            ((model(x) - y) ** 2).mean().backward()
-            acc.step()
-            acc.zero_grad()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    def window_of(options: dict[str, Any]) -> Callable[[], None]:
+        net = copy.deepcopy(model)
+        acc = Accumulate(torch.optim.SGD(net.parameters(), lr=0.0), every=k, **options)
+
+        def window() -> None:
+            for _ in range(k):
+                ((net(x) - y) ** 2).mean().backward()
+                acc.step()
+                acc.zero_grad()
+
+        return window
+
+    windows = {name: window_of(options) for name, options in CONFIGS.items()}
+    rng = random.Random(0)
+    times: dict[str, list[int]] = {name: [] for name in windows}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(warmup + rounds):
+            order = list(windows)
+            rng.shuffle(order)
+            got = {name: timed(windows[name])[0] for name in order}
+            if r >= warmup:
+                for name, ns in got.items():
+                    times[name].append(ns)
+    finally:
+        gc.enable()
+    base = times["buffer off"]
+    out = {}
+    for name, ns in times.items():
+        q1, ratio, q3 = quartiles([t / b for t, b in zip(ns, base)])
+        out[name] = {"ms": quartiles(ns)[1] / 1e6, "ratio": ratio, "q1": q1, "q3": q3}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[16, 256, 1024])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     add_json_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -120,24 +164,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bf16 .grad",
         "/ floor",
     ]
-    off, on = window_time(buffer=False), window_time(buffer=True)
-    checked = window_time(nonfinite="skip_micro_batch")
+    timing = window_times(rounds=args.rounds)
+    timing_rows = [
+        [name, f"{t['ms']:.2f}", f"{t['ratio']:.3f} ({t['q1']:.3f}-{t['q3']:.3f})"]
+        for name, t in timing.items()
+    ]
     markdown = (
         f"bf16 MLP 16-32-1, micro-batches of {MICRO} samples, median over {args.seeds} seeds.\n\n"
         + markdown_table(header, rows)
-        + f"\n\nOne window of 64 bf16 micro-steps (MLP 256-512-10, micro-batch 32, 1 thread): "
-        f"buffer off {1e3 * off:.2f} ms; buffer on {1e3 * on:.2f} ms ({on / off:.3f}x); buffer "
-        f"on and nonfinite='skip_micro_batch' (a check and a host sync per micro-step) "
-        f"{1e3 * checked:.2f} ms ({checked / off:.3f}x). With nonfinite=None no check runs."
+        + "\n\nOne window of k = 64 bf16 micro-steps (MLP 256-512-10, micro-batch 32, 1 thread), "
+        f"each configuration on its own copy of the model, in {args.rounds} interleaved rounds "
+        "(random order each round); thread CPU clock, medians, ratios per round to buffer off "
+        "(interquartile range in brackets; the A/A row is a second buffer-off copy). "
+        "`skip_micro_batch` adds a check and a host sync per micro-step; with nonfinite=None "
+        "no check runs.\n\n"
+        + markdown_table(["configuration", "ms per window", "ratio to buffer off"], timing_rows)
     )
     print(markdown)
-    data = {
-        "table": table,
-        "buffer_on_s": on,
-        "buffer_off_s": off,
-        "checked_s": checked,
-        "markdown": markdown,
-    }
+    data = {"table": table, "timing": timing, "rounds": args.rounds, "markdown": markdown}
     write_json(args.json, data)
     return data
 

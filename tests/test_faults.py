@@ -66,6 +66,7 @@ def test_state_dict_while_counting_is_paused_is_refused() -> None:
     assert acc.state_dict()["accumopt"]["window"] is None
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo: it cannot trace the callback
 def test_compiled_autograd_refusal_names_compiled_autograd_not_out_of_memory() -> None:
     compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
     model = nn.Linear(3, 1)

@@ -1,0 +1,98 @@
+"""Time per optimizer step of ``MicroBatchRunner`` against a hand-written micro-batch loop.
+
+The models of ``bench_overhead.py`` at k = 8: per optimizer step, one batch of k x m rows (its k
+micro-batches of m rows, concatenated), cut into micro-batches of m rows by the hand loop
+(twice, as two copies A and B) and by the runner, with a fixed micro-batch size or with
+``"auto"`` after its search settled (the loops: ``_loops.py``). All of them see the same
+batches for the same number of steps, so their parameters must agree at the end: the largest
+difference from copy A of the hand loop is stored as ``max_param_diff``.
+
+Targets (issue 14): fixed size 1.05 on the tiny MLP and 1.03 on the 100-tensor model, auto
+size 1.08 and 1.05; on the compute-heavy MLP (no target in the issue) 1.03 and 1.05.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from _harness import Interleave
+from _loops import (
+    HEAVY,
+    HUNDRED,
+    RUNNER_AUTO,
+    RUNNER_FIXED,
+    RUNNERS,
+    TINY,
+    hand_micro_window,
+    max_param_diff,
+    whole_batch,
+    workload,
+)
+from torch import nn
+
+TABLE = "runner"
+K = 8
+ROUNDS = {TINY: 61, HUNDRED: 41, HEAVY: 11}
+WARMUP = {TINY: 3, HUNDRED: 3, HEAVY: 1}
+TARGETS = {
+    (RUNNER_FIXED, TINY): 1.05,
+    (RUNNER_FIXED, HUNDRED): 1.03,
+    (RUNNER_FIXED, HEAVY): 1.03,
+    (RUNNER_AUTO, TINY): 1.08,
+    (RUNNER_AUTO, HUNDRED): 1.05,
+    (RUNNER_AUTO, HEAVY): 1.05,
+}
+NOT_MET = "target from issue 14, not met yet"
+#: (runner, model) pairs that miss their target on the current code
+MISSING: set[tuple[str, str]] = {
+    (RUNNER_FIXED, TINY),
+    (RUNNER_FIXED, HUNDRED),
+    (RUNNER_AUTO, TINY),
+    (RUNNER_AUTO, HUNDRED),
+}
+ID = {TINY: "tiny", HUNDRED: "100t", HEAVY: "heavy", RUNNER_FIXED: "fixed", RUNNER_AUTO: "auto"}
+
+
+def cases() -> list[object]:
+    return [
+        pytest.param(
+            name,
+            model,
+            marks=[pytest.mark.xfail(strict=False, reason=NOT_MET)]
+            if (name, model) in MISSING
+            else [],
+            id=f"{ID[model]}-{ID[name]}",
+        )
+        for name in RUNNERS
+        for model in (TINY, HUNDRED, HEAVY)
+    ]
+
+
+@pytest.mark.parametrize(("name", "model"), cases())
+def test_runner(name: str, model: str, interleave: Interleave) -> None:
+    work = workload(model, K)
+    batch, micro = whole_batch(work)
+    models: list[nn.Module] = []
+
+    def fresh() -> nn.Module:
+        models.append(copy.deepcopy(work.model))
+        return models[-1]
+
+    result = interleave(
+        table=TABLE,
+        contender_name=name,
+        model=model,
+        k=K,
+        baseline=lambda: hand_micro_window(fresh(), batch, micro),
+        contender=lambda n: RUNNERS[name](fresh(), batch, micro),
+        rounds=ROUNDS[model],
+        warmup=WARMUP[model],
+        target=TARGETS[name, model],
+        baseline_name="hand micro-batch loop",
+        extra={"description": work.description},
+    )
+    # models: the calibration copy, A, B, then the contender's (A and the contender took the
+    # same steps on the same batches)
+    result["max_param_diff"] = max_param_diff(models[3], models[1])
+    interleave.benchmark.extra_info["max_param_diff"] = result["max_param_diff"]
