@@ -14,6 +14,8 @@ Submodules: ``accumopt.batchnorm`` (BatchNorm warning and remedy), ``accumopt.te
 (simulated out-of-memory errors).
 """
 
+__version__ = "0.1.0"  # the one source: pyproject.toml reads it (tool.setuptools.dynamic)
+
 from accumopt.accumulate import Accumulate, AccumulatingOptimizer
 from accumopt.autosize import NoMicroBatchFits
 from accumopt.decorator import apply
@@ -34,4 +36,3 @@ __all__ = [
     "micro_split",
     "parallel_backward",
 ]
-__version__ = "0.1.0"

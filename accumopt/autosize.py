@@ -23,6 +23,34 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("accumopt")
 
 
+def describe_key(key: Hashable) -> str:
+    """A size-search shape key as log lines show it: ``x: (3, 32, 32) float32, y: () int64``.
+
+    Takes the keys of ``runner.shape_key``: a tuple with one entry per tensor leaf, either
+    ``(shape, dtype)``, written ``(3, 32, 32) float32``, or ``(path, shape, dtype)``, written
+    ``path: (3, 32, 32) float32``. The shape is the leaf's shape past dim 0 (``()``: one
+    number per row); the dtype may be a string or a ``torch.dtype``. Any other key is written
+    with ``str()``, so a log line never fails on an unexpected key.
+
+    >>> describe_key((((3, 32, 32), "torch.float32"), ((), "torch.int64")))
+    '(3, 32, 32) float32, () int64'
+    >>> describe_key((("x", (3, 32, 32), "torch.float32"), ("y", (), "torch.int64")))
+    'x: (3, 32, 32) float32, y: () int64'
+    >>> describe_key("text")
+    'text'
+    """
+    if not isinstance(key, tuple) or not key:
+        return str(key)
+    parts = []
+    for leaf in key:
+        if not (isinstance(leaf, tuple) and len(leaf) in (2, 3) and isinstance(leaf[-2], tuple)):
+            return str(key)
+        *path, shape, dtype = leaf
+        text = f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        parts.append(f"{path[0]}: {text}" if path else text)
+    return ", ".join(parts)
+
+
 class NoMicroBatchFits(RuntimeError):
     """Raised when even a micro-batch of the smallest size runs out of memory."""
 
@@ -91,10 +119,10 @@ class MicroBatchSizer:
             )
             self.history.append((key, size, reason))
             if self.current is None:
-                logger.info("accumopt: micro-batch size starts at %d (shape %s)", size, key)
+                logger.info("micro-batch size starts at %d for inputs %s", size, describe_key(key))
             else:
                 logger.info(
-                    "accumopt: micro-batch size %d -> %d (shape %s)", self.current, size, key
+                    "micro-batch size %d -> %d for inputs %s", self.current, size, describe_key(key)
                 )
             self.current = size
         return min(size, available)
@@ -112,9 +140,10 @@ class MicroBatchSizer:
             b.fails = max(b.fits + 1, math.ceil(1.25 * b.fails))  # type: ignore[operator]
             b.clean = 0
             logger.info(
-                "accumopt: %d clean micro-steps at %d; probing larger sizes",
+                "%d clean micro-steps at %d for inputs %s; probing larger sizes",
                 self.grow_after,
                 b.fits,
+                describe_key(key),
             )
 
     def failed(self, key: Hashable, size: int) -> None:
@@ -129,7 +158,9 @@ class MicroBatchSizer:
         b.clean = 0
         if b.fits is not None and b.fits >= size:
             b.fits = None  # memory got scarcer: a size that used to run no longer does
-        logger.warning("accumopt: out of memory at micro-batch size %d (shape %s)", size, key)
+        logger.warning(
+            "out of memory at micro-batch size %d for inputs %s", size, describe_key(key)
+        )
         if size <= 1:
             raise NoMicroBatchFits(
                 "accumopt: a micro-batch of 1 sample ran out of memory; nothing smaller fits. "

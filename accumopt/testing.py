@@ -1,10 +1,12 @@
 """Testing helpers: simulated out-of-memory errors, and gloo process groups, on any machine.
 
-``simulate_oom(module, limit)`` raises a real ``torch.OutOfMemoryError`` (or the plain
-``RuntimeError`` the CPU allocator raises) whenever a micro-batch of more than ``limit`` rows
-passes through ``module``: in the forward pass, or in the middle of the backward pass after
-the gradients of the layers behind ``at`` were already written. It is how accumopt's OOM
-recovery is tested without a GPU, and how ``examples/autosize_digits.py`` shows it.
+``simulate_oom(module, limit)`` makes ``module`` raise a real ``torch.OutOfMemoryError`` (or
+the plain ``RuntimeError`` the CPU allocator raises) whenever a micro-batch of more than
+``limit`` rows passes through it: in the forward pass, or in the middle of the backward pass
+after the gradients of the layers behind ``at`` were already written. The call installs the
+hooks; ``with simulate_oom(module, limit) as sim:`` removes them at the end of the block, or
+``sim.remove()`` does. It is how accumopt's OOM recovery is tested without a GPU, and how
+``examples/autosize_digits.py`` shows it.
 
 ``run_ranks(target, *args)`` runs a function on several CPU processes joined in a gloo
 process group (how the DDP and FSDP2 paths are tested and benchmarked on one machine).
@@ -12,22 +14,56 @@ process group (how the DDP and FSDP2 paths are tested and benchmarked on one mac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
 class SimulatedOOM:
-    """What :func:`simulate_oom` saw: every micro-batch size and every injected failure."""
+    """What :func:`simulate_oom` saw, and the handle that removes its hooks.
+
+    Usable as a context manager (the hooks go at the end of the ``with`` block) or by hand
+    (call :meth:`remove`). Removing twice is harmless.
+
+    Attributes:
+        limit (int): the largest micro-batch that "fits", in rows.
+        sizes (list[int]): the rows of every call of the watched module, in order.
+        raised (list[int]): the rows of every call that was made to fail, in order.
+        active (bool): whether the hooks are still installed.
+    """
 
     limit: int
     sizes: list[int] = field(default_factory=list)
     raised: list[int] = field(default_factory=list)
+    _handles: list[RemovableHandle] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still installed."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Remove the hooks: the module runs normally again (the record is kept)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __enter__(self) -> SimulatedOOM:
+        if not self.active:
+            raise RuntimeError(
+                "simulate_oom: this simulation was already removed; expected a fresh "
+                "simulate_oom(module, limit) for each with-block."
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
 
 
 def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -48,7 +84,6 @@ def _error(kind: str, rows: int, limit: int) -> RuntimeError:
     )
 
 
-@contextmanager
 def simulate_oom(
     module: nn.Module,
     limit: int,
@@ -56,13 +91,24 @@ def simulate_oom(
     where: Literal["forward", "backward"] = "forward",
     at: nn.Module | None = None,
     kind: Literal["cuda", "cpu"] = "cuda",
-) -> Iterator[SimulatedOOM]:
+) -> SimulatedOOM:
     """Make ``module`` run out of memory on micro-batches of more than ``limit`` rows.
+
+    The hooks are installed by the call itself and stay until they are removed: use it as a
+    context manager, which removes them at the end of the block, or keep the handle and call
+    ``.remove()``::
+
+        with simulate_oom(model, 40) as sim:   # hooks removed when the block ends
+            runner(batch)
+
+        sim = simulate_oom(model, 40)          # hooks stay until sim.remove()
+        runner(batch)
+        sim.remove()
 
     Args:
         module: the module whose calls are watched (the batch size is dim 0 of its first
             tensor argument).
-        limit: the largest micro-batch that "fits", in rows.
+        limit: the largest micro-batch that "fits", in rows (>= 0).
         where: ``"forward"``: raise when ``module`` is called; ``"backward"``: raise during
             the backward pass, when the gradient reaches the output of ``at`` (after the
             gradients of every layer behind it were accumulated into ``.grad``).
@@ -71,9 +117,19 @@ def simulate_oom(
         kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` the plain
             ``RuntimeError`` of torch's CPU allocator.
 
-    Yields:
-        A :class:`SimulatedOOM` record of the sizes seen and the failures raised.
+    Returns:
+        A :class:`SimulatedOOM`: the record of the sizes seen and the failures raised, and
+        the handle that removes the hooks (``.remove()``, or the end of a ``with`` block).
+
+    Raises:
+        ValueError: ``where`` or ``kind`` is not one of the values above, or ``limit`` < 0.
     """
+    if where not in ("forward", "backward"):
+        raise ValueError(f"simulate_oom: where={where!r}; expected 'forward' or 'backward'.")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"simulate_oom: kind={kind!r}; expected 'cuda' or 'cpu'.")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"simulate_oom: limit={limit!r}; expected an int >= 0 (rows).")
     record = SimulatedOOM(limit)
 
     def check(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -93,14 +149,10 @@ def simulate_oom(
 
             output.register_hook(fail)  # type: ignore[no-untyped-call]
 
-    handles = [module.register_forward_pre_hook(check, with_kwargs=True)]
+    record._handles.append(module.register_forward_pre_hook(check, with_kwargs=True))
     if where == "backward":
-        handles.append((at or module).register_forward_hook(arm))
-    try:
-        yield record
-    finally:
-        for handle in handles:
-            handle.remove()
+        record._handles.append((at or module).register_forward_hook(arm))
+    return record
 
 
 def _rank_main(

@@ -27,6 +27,9 @@ Run from the repository root::
     python examples/autosize_digits.py
     python examples/autosize_digits.py --memory-limit 100 --no-compare
     python examples/autosize_digits.py --memory-limit 0   # no limit: one micro-batch per step
+
+Run time: about 30 s on 2 CPU cores shared with other jobs, ``--threads 1`` (the default;
+90 s with 2 threads on the same busy cores).
 """
 
 from __future__ import annotations
@@ -76,7 +79,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare-epochs", type=int, default=2, help="passes of each run")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and shuffling")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: 2 are no faster on 2 cores, far slower on busy ones)",
+    )
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("expected --threads >= 1")
     if args.epochs < 1 or args.compare_epochs < 1:
         parser.error("expected --epochs >= 1 and --compare-epochs >= 1")
     if args.batch < 1:
@@ -152,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with ``--compare``, ``max_abs_param_diff`` and ``compare_ooms``.
     """
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)-7s %(name)s | %(message)s")
     x_train, y_train, x_test, y_test = digits.load_data()
     limit_text = (

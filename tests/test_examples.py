@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -11,6 +12,14 @@ import pytest
 import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _threads() -> Iterator[None]:
+    """The examples set torch's thread count (--threads); keep it from leaking into others."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def load(name: str) -> ModuleType:
@@ -49,3 +58,12 @@ def test_autosize_digits_oom_recovery_matches_unlimited_run() -> None:
     assert out["ooms"] == 8
     assert out["updates"] == 6  # 2 full windows + 1 flushed partial window per epoch
     assert out["test_accuracy"] > 0.5
+
+
+def test_ddp_example_without_torchrun_says_how_to_launch_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match=r"torchrun --nproc-per-node 2 examples/ddp_digits.py"):
+        load("ddp_digits").main([])

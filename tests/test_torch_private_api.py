@@ -1,0 +1,252 @@
+"""The private torch APIs accumopt relies on are still there, with the shape it expects.
+
+accumopt supports ``torch>=2.11`` without an upper bound, but a few of the things it uses are
+private to torch and may change in any release. This test fails loudly, naming what
+disappeared and where accumopt uses it, so that a new torch release breaks here first rather
+than somewhere deep in a training run. The list comes from grepping accumopt/ for ``torch._``,
+``_pytree``, ``_execution_engine``, ``_foreach``, ``_backward_hooks``, ``_register_hook_dict``,
+``_global_optimizer``, ``_optimizer_*_hooks`` and the like; keep it in sync when accumopt
+starts (or stops) using a private name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+
+def resolve(dotted: str) -> Any:
+    """``torch.a.b.c`` -> the object: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)  # AttributeError: reported by the test with the name
+        return obj
+    raise ImportError(dotted)
+
+
+def params(obj: Any) -> list[str]:
+    return list(inspect.signature(obj).parameters)
+
+
+def callable_(obj: Any) -> None:
+    assert callable(obj), f"{obj!r} is not callable"
+
+
+def signature(*names: str) -> Callable[[Any], None]:
+    def check(obj: Any) -> None:
+        callable_(obj)
+        assert params(obj)[: len(names)] == list(names), (
+            f"expected parameters {names}, found {params(obj)}"
+        )
+
+    return check
+
+
+def mapping(obj: Any) -> None:
+    assert hasattr(obj, "values") and hasattr(obj, "__len__"), f"{obj!r} is not a dict of hooks"
+
+
+def will_engine_execute_node(fn: Any) -> None:
+    """Asked inside a backward pass about parameters' AccumulateGrad nodes, as accumopt does."""
+    from torch.autograd.graph import get_gradient_edge
+
+    callable_(fn)
+    used, unused = (torch.ones(2, requires_grad=True) for _ in range(2))
+    y = (used * 2).sum()
+    nodes = [get_gradient_edge(p).node for p in (used, unused)]
+    seen: list[list[bool]] = []
+    y.register_hook(lambda g: seen.append([fn(node) for node in nodes]))
+    y.backward()
+    assert seen == [[True, False]]
+
+
+def queue_callback(fn: Any) -> None:
+    callable_(fn)
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 2).sum()
+    ran: list[str] = []
+    y.register_hook(lambda g: fn(lambda: ran.append("end of backward")))
+    y.backward()
+    assert ran == ["end of backward"]
+
+
+def register_hook_dict(_: Any) -> None:
+    """``node._register_hook_dict(tensor)`` with ``tensor._backward_hooks`` set: the tensor hook
+    runs (what ``Tensor.register_hook`` does in two steps; accumopt skips its handle)."""
+    from collections import OrderedDict
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    node = y.grad_fn
+    assert node is not None
+    called: list[bool] = []
+    y._backward_hooks = OrderedDict(((-1, lambda g: called.append(True)),))
+    node._register_hook_dict(y)
+    y.sum().backward()
+    assert called == [True]
+
+
+def get_scale_async(method: Any) -> None:
+    assert params(method) == ["self"], f"expected (self), found {params(method)}"
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(torch.ones((), requires_grad=True))  # creates the scale tensor
+    scale = scaler._get_scale_async()
+    assert isinstance(scale, Tensor) and scale.numel() == 1
+
+
+def profile_hook_step(fn: Any) -> None:
+    assert isinstance(
+        inspect.getattr_static(torch.optim.Optimizer, "profile_hook_step"), staticmethod
+    )
+    signature("func")(fn)
+
+
+def flatten_dense_tensors(fn: Any) -> None:
+    signature("tensors")(fn)
+    flat = fn([torch.ones(2), torch.zeros(3)])
+    assert flat.shape == (5,)
+
+
+def foreach_div_(fn: Any) -> None:
+    tensors = [torch.full((2,), 4.0), torch.full((3,), 8.0)]
+    fn(tensors, 2.0)
+    fn(tensors, torch.tensor(2.0))  # the 0-dim tensor divisor accumopt passes on CPU
+    assert [t.tolist() for t in tensors] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
+
+
+def foreach_add_(fn: Any) -> None:
+    held = [torch.zeros(2, dtype=torch.float32)]
+    fn(held, [torch.ones(2, dtype=torch.bfloat16)])  # type promotion: bf16 into float32
+    assert held[0].dtype == torch.float32 and held[0].tolist() == [1.0, 1.0]
+
+
+def amp_unscale_(fn: Any) -> None:
+    grads = [torch.tensor([2.0, float("inf")], dtype=torch.float32)]
+    found_inf = torch.zeros((), dtype=torch.float32)
+    fn(grads, found_inf, torch.tensor(0.5, dtype=torch.float32))
+    assert grads[0][0].item() == 1.0 and found_inf.item() > 0
+
+
+def tree_flatten_with_path(fn: Any) -> None:
+    from torch.utils import _pytree
+
+    flat, _ = fn({"x": [torch.ones(1)]})
+    assert _pytree.keystr(flat[0][0]) == "['x'][0]"
+
+
+def instance_attribute(name: str) -> Callable[[Any], None]:
+    def check(_: Any) -> None:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        mapping(getattr(opt, name))
+
+    return check
+
+
+def tensor_attribute(name: str) -> Callable[[Any], None]:
+    def check(_: Any) -> None:
+        x = torch.ones(2, requires_grad=True)
+        for t in (x * 2, x[:1]):
+            getattr(t, name)  # AttributeError: reported as gone
+
+    return check
+
+
+def sparse_values(_: Any) -> None:
+    s = torch.sparse_coo_tensor([[0]], [3.0], (2,), check_invariants=True)
+    assert s._values().tolist() == [3.0]
+
+
+def batchnorm_base(cls: Any) -> None:
+    assert isinstance(torch.nn.BatchNorm1d(2), cls) and isinstance(torch.nn.SyncBatchNorm(2), cls)
+
+
+# (dotted name, where accumopt uses it, check); ``~`` marks an attribute of an instance (a
+# live autograd node, a tensor, an optimizer) rather than a module attribute.
+API: list[tuple[str, str, Callable[[Any], None]]] = [
+    ("torch._C._will_engine_execute_node", "_backward_counter.py", will_engine_execute_node),
+    (
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "_backward_counter.py",
+        queue_callback,
+    ),
+    ("torch.autograd.graph.Node~_register_hook_dict", "_backward_counter.py", register_hook_dict),
+    ("torch.Tensor~_backward_hooks", "_backward_counter.py", tensor_attribute("_backward_hooks")),
+    ("torch.Tensor~_base", "_backward_counter.py", tensor_attribute("_base")),
+    ("torch.Tensor._values", "_grads.py (sparse gradients)", sparse_values),
+    ("torch.amp.GradScaler._get_scale_async", "accumulate.py / _window_buffer.py", get_scale_async),
+    ("torch.optim.optimizer._global_optimizer_pre_hooks", "accumulate.py", mapping),
+    ("torch.optim.optimizer._global_optimizer_post_hooks", "accumulate.py", mapping),
+    ("torch.optim.Optimizer.profile_hook_step", "accumulate.py", profile_hook_step),
+    (
+        "torch.optim.Optimizer~_optimizer_step_pre_hooks",
+        "accumulate.py",
+        instance_attribute("_optimizer_step_pre_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_step_post_hooks",
+        "accumulate.py",
+        instance_attribute("_optimizer_step_post_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_state_dict_pre_hooks",
+        "_checkpoint.py",
+        instance_attribute("_optimizer_state_dict_pre_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_state_dict_post_hooks",
+        "_checkpoint.py",
+        instance_attribute("_optimizer_state_dict_post_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_load_state_dict_pre_hooks",
+        "_checkpoint.py",
+        instance_attribute("_optimizer_load_state_dict_pre_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_load_state_dict_post_hooks",
+        "_checkpoint.py",
+        instance_attribute("_optimizer_load_state_dict_post_hooks"),
+    ),
+    ("torch.utils._pytree.tree_flatten_with_path", "_tree.py", tree_flatten_with_path),
+    ("torch.utils._pytree.keystr", "_tree.py", signature("kp")),
+    ("torch.utils._pytree.tree_flatten", "_tree.py, split.py", signature("tree")),
+    ("torch.utils._pytree.tree_unflatten", "_tree.py, split.py", signature("leaves", "treespec")),
+    ("torch.utils._pytree.tree_leaves", "_backward_counter.py", signature("tree")),
+    ("torch._utils._flatten_dense_tensors", "distributed.py", flatten_dense_tensors),
+    ("torch._utils._unflatten_dense_tensors", "distributed.py", signature("flat", "tensors")),
+    ("torch._foreach_div_", "_grads.py", foreach_div_),
+    ("torch._foreach_add_", "_window_buffer.py", foreach_add_),
+    ("torch._amp_foreach_non_finite_check_and_unscale_", "_grads.py", amp_unscale_),
+    ("torch.nn.modules.batchnorm._BatchNorm", "batchnorm.py", batchnorm_base),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "used_in", "check"), API, ids=[name.replace("~", ".") for name, _, _ in API]
+)
+def test_private_torch_api_is_still_there(
+    name: str, used_in: str, check: Callable[[Any], None]
+) -> None:
+    owner, _, member = name.partition("~")
+    where = f"torch {torch.__version__}: {name.replace('~', '.')} (used by accumopt/{used_in})"
+    try:
+        obj = resolve(owner)
+    except (ImportError, AttributeError) as err:
+        pytest.fail(f"{where} is gone: {type(err).__name__}: {err}", pytrace=False)
+    try:
+        check(obj if not member else None)
+    except AttributeError as err:
+        pytest.fail(f"{where} is gone: {err}", pytrace=False)
+    except Exception as err:
+        pytest.fail(f"{where} changed: {type(err).__name__}: {err}", pytrace=False)
