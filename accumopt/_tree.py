@@ -46,7 +46,7 @@ kinds in :mod:`accumopt._kinds`; this module counts, cuts, moves and joins.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -139,7 +139,7 @@ def batch_size(batch: Batch, api: str) -> int:
     return _count_rows(flatten(batch, api)[0], api)
 
 
-_How: TypeAlias = Literal["tensor", "rows", "whole"]
+_How: TypeAlias = Literal["slice", "tensor", "rows", "whole"]
 
 
 class RowSlicer:
@@ -171,10 +171,13 @@ class RowSlicer:
         self.rows = _count_rows(leaves, api)
         self.device, self.api = device, api
         self.leaves: list[tuple[str, Any, _How]] = [self._plan(p, leaf) for p, leaf in leaves]
+        self._build = _builder(self.spec)
 
     def _plan(self, path: str, leaf: Any) -> tuple[str, Any, _How]:
         if isinstance(leaf, Tensor):
-            return path, leaf, "tensor"
+            plain = type(leaf) is Tensor and leaf.layout == torch.strided
+            plain = plain and not (leaf.is_nested or leaf.is_quantized)
+            return path, leaf, "slice" if plain else "tensor"
         if isinstance(leaf, (PerSample, Broadcast)):
             return path, leaf.value, "rows" if isinstance(leaf, PerSample) else "whole"
         if isinstance(leaf, Items):
@@ -187,9 +190,24 @@ class RowSlicer:
     def cut(self, start: int, stop: int, device: torch.device | None) -> Batch:
         """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved)."""
         pieces = [
-            self._leaf(path, leaf, how, start, stop, device) for path, leaf, how in self.leaves
+            (leaf[start:stop] if device is None else move(leaf[start:stop], device))
+            if how == "slice"
+            else self._leaf(path, leaf, how, start, stop, device)
+            for path, leaf, how in self.leaves
         ]
-        return pytree.tree_unflatten(pieces, self.spec)
+        return (
+            pytree.tree_unflatten(pieces, self.spec) if self._build is None else self._build(pieces)
+        )
+
+    def shape_key(self) -> tuple[tuple[str, tuple[Any, ...], str], ...]:
+        """What the micro-batch size search remembers a ceiling for: each tensor leaf's path,
+        shape past dim 0 and dtype (a batch of longer sequences gets its own ceiling). A
+        nested tensor's ragged sizes are written ``"*"``, so its batches share one key."""
+        return tuple(
+            (path, _row_shape(leaf), str(leaf.dtype).removeprefix("torch."))
+            for path, leaf, how in self.leaves
+            if how in ("slice", "tensor")
+        )
 
     def _leaf(
         self, path: str, leaf: Any, how: _How, start: int, stop: int, device: torch.device | None
@@ -214,6 +232,42 @@ class RowSlicer:
         if not isinstance(x, Tensor):
             return x
         return _kinds.guard(self.api, path, x, f"move to {device}", lambda: move(x, device))
+
+
+def _row_shape(t: Tensor) -> tuple[Any, ...]:
+    """A tensor's shape past dim 0, ragged (nested) sizes as ``"*"``."""
+    if not t.is_nested:
+        return tuple(t.shape[1:])
+    if t.layout == torch.jagged:
+        ragged = t._ragged_idx  # type: ignore[attr-defined]
+        return tuple("*" if i == ragged else t.size(i) for i in range(1, t.dim()))
+    return ("*",) * (t.dim() - 1)
+
+
+def _builder(
+    spec: pytree.TreeSpec, index: Iterator[int] | None = None
+) -> Callable[[list[Any]], Any] | None:
+    """A fast ``tree_unflatten`` for a spec made of tuples, lists and dicts only (the usual
+    batch), built once per batch: cutting a batch into many micro-batches rebuilds it many
+    times. None for any other spec (``pytree.tree_unflatten`` is then used)."""
+    index = itertools.count() if index is None else index
+    if spec.is_leaf():
+        i = next(index)
+        return lambda leaves: leaves[i]
+    # torch >= 2.13 has children(); 2.11-2.12 the children_specs list
+    specs = spec.children() if hasattr(spec, "children") else spec.children_specs
+    children = [_builder(child, index) for child in specs]
+    if any(c is None for c in children):
+        return None
+    kids: list[Callable[[list[Any]], Any]] = children  # type: ignore[assignment]
+    if spec.type is tuple:
+        return lambda leaves: tuple([c(leaves) for c in kids])
+    if spec.type is list:
+        return lambda leaves: [c(leaves) for c in kids]
+    if spec.type is dict:
+        keys = list(spec.context)
+        return lambda leaves: {k: c(leaves) for k, c in zip(keys, kids)}
+    return None
 
 
 def move(tensor: Tensor, device: torch.device) -> Tensor:

@@ -26,7 +26,7 @@ logger = logging.getLogger("accumopt")
 def describe_key(key: Hashable) -> str:
     """A size-search shape key as log lines show it: ``x: (3, 32, 32) float32, y: () int64``.
 
-    Takes the keys of ``runner.shape_key``: a tuple with one entry per tensor leaf, either
+    Takes the keys of ``_tree.RowSlicer.shape_key``: a tuple with one entry per tensor leaf, either
     ``(shape, dtype)``, written ``(3, 32, 32) float32``, or ``(path, shape, dtype)``, written
     ``path: (3, 32, 32) float32``. The shape is the leaf's shape past dim 0 (``()``: one
     number per row); the dtype may be a string or a ``torch.dtype``. Any other key is written

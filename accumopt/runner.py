@@ -19,7 +19,7 @@ from torch import Tensor
 
 from accumopt import _tree
 from accumopt.accumulate import AccumulatingOptimizer
-from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits
+from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
 
@@ -127,9 +127,13 @@ class MicroBatchRunner:
         return 0 if self.sizer is None else self.sizer.ooms
 
     @property
-    def history(self) -> list[tuple[Hashable, int, str]]:
-        """Every micro-batch size change: (input shape key, new size, reason)."""
-        return [] if self.sizer is None else list(self.sizer.history)
+    def history(self) -> list[tuple[str, int, str]]:
+        """Every micro-batch size change: (inputs, new size, reason), the inputs written as
+        ``"batch[0]: (3, 32, 32) float32, batch[1]: () int64"`` (each tensor leaf's shape
+        past dim 0 and dtype: the search keeps one ceiling per such key)."""
+        if self.sizer is None:
+            return []
+        return [(describe_key(key), size, why) for key, size, why in self.sizer.history]
 
     # ------------------------------------------------------------------ the loop
 
@@ -150,14 +154,15 @@ class MicroBatchRunner:
                 (the message gives the device's memory figures).
             ValueError: the batch is empty or its tensor leaves disagree on dim 0.
         """
-        n = _tree.batch_size(batch, "MicroBatchRunner")
+        rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
+        n = rows_of.rows
         if self._ranks is not None:
             self._ranks.check_same_rows(n, "MicroBatchRunner")
-        key = shape_key(batch)
-        rows_of = _tree.RowSlicer(batch, self.device)
+        key = rows_of.shape_key() if self._fixed is None else None
         total_loss: Tensor | None = None
         total_items = 0.0
         outputs: list[Any] = []
+        sizes: list[int] = []
         offset = 0
         while offset < n:
             size = self._propose(key, n - offset)
@@ -186,11 +191,12 @@ class MicroBatchRunner:
             total_items += items
             if return_outputs and out is not None:
                 outputs.append(out)
+                sizes.append(size)
             offset += size
         assert total_loss is not None  # n >= 1
         mean = total_loss / total_items if total_items > 0 else torch.zeros_like(total_loss)
         if return_outputs:
-            return mean, (_tree.concat(outputs) if outputs else None)
+            return mean, (_tree.concat(outputs, sizes=sizes) if outputs else None)
         return mean
 
     def _propose(self, key: Hashable, available: int) -> int:
@@ -244,16 +250,6 @@ class MicroBatchRunner:
             raise NoMicroBatchFits(
                 f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
             ) from None
-
-
-def shape_key(batch: Any) -> Hashable:
-    """What the size search remembers a ceiling for: every tensor leaf's shape past dim 0
-    and dtype (so a batch of longer sequences gets its own, smaller, ceiling)."""
-    return tuple(
-        (tuple(leaf.shape[1:]), str(leaf.dtype))
-        for _, leaf in _tree.leaf_paths(batch)
-        if isinstance(leaf, Tensor)
-    )
 
 
 def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
