@@ -208,7 +208,8 @@ class WindowBuffer:
     # ------------------------------------------------------------------ folding
 
     def fold(self, params: list[Tensor], scale: Tensor | None) -> None:
-        """Add each parameter's ``.grad`` (divided by ``scale``) into its sum; release ``.grad``.
+        """Add each parameter's ``.grad`` (divided by ``scale``) into its sum; ``.grad`` is then
+        released (the first time: it becomes the sum) or zeroed in place (dense, later times).
 
         Args:
             params: parameters whose gradient is folded; those without ``.grad`` are skipped.
@@ -227,19 +228,26 @@ class WindowBuffer:
             g = p.grad
             if g is None:
                 continue
-            p.grad = None
             total = self.sums.get(p)
             if total is None:
+                p.grad = None
                 target = buffer_dtype(p)
                 # cast before unscaling: a scaled fp16 value / scale may underflow
                 fresh.append((p, g if g.dtype == target else g.to(target)))
             else:
                 held.append(total)
                 incoming.append(g)
+                if g.is_sparse:
+                    p.grad = None
         if scale is not None:
             _grads.div_([g for _, g in fresh] + incoming, scale)
         if held:
             torch._foreach_add_(held, incoming)  # type promotion: bf16 into float32 sums
+            # A dense .grad is zeroed in place and kept: the next backward pass accumulates
+            # into it (in place, no allocation) instead of creating a new one.
+            dense = [g for g in incoming if not g.is_sparse]
+            if dense:
+                torch._foreach_zero_(dense)
         self.sums.update(fresh)  # the fresh tensors are stolen: no copy without a cast
 
     # ------------------------------------------------------------------ checkpoints

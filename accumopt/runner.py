@@ -105,6 +105,7 @@ class MicroBatchRunner:
         self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
         self._start = start_size
         self.sizer: MicroBatchSizer | None = None
+        self._history: list[tuple[str, int, str]] = []
         self._ranks = optimizer._ranks if auto else None
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
@@ -133,7 +134,10 @@ class MicroBatchRunner:
         past dim 0 and dtype: the search keeps one ceiling per such key)."""
         if self.sizer is None:
             return []
-        return [(describe_key(key), size, why) for key, size, why in self.sizer.history]
+        described = self._history  # described once each, as the search appends them
+        for key, size, why in self.sizer.history[len(described) :]:
+            described.append((describe_key(key), size, why))
+        return list(described)
 
     # ------------------------------------------------------------------ the loop
 
