@@ -119,6 +119,8 @@ class BackwardCounter:
         self._module = module
         self._handles: list[RemovableHandle] = []
         self._watched: set[int] = set()
+        self._seen = 0  # parameters in the groups at the last watch_groups()
+        self._frozen: list[Tensor] = []  # those of them that did not require grad then
         self._hooked_leaves: set[int] = set()
         weakref.finalize(self, _remove_all, self._handles)
         if module is not None:
@@ -134,6 +136,19 @@ class BackwardCounter:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook))  # type: ignore[no-untyped-call]
                 elif self._accumulators is not None:
                     self._accumulators.add(p)
+
+    def watch_groups(self, param_groups: list[dict[str, Any]]) -> None:
+        """:meth:`watch` the parameters of ``param_groups``, cheaply when nothing changed: only
+        the parameters frozen at the last look are looked at again, unless the groups now hold
+        another number of parameters (then all are)."""
+        count = sum(len(group["params"]) for group in param_groups)
+        if count != self._seen:
+            params = [p for group in param_groups for p in group["params"]]
+            self.watch(params)
+            self._seen, self._frozen = count, [p for p in params if not p.requires_grad]
+        elif self._frozen and any(p.requires_grad for p in self._frozen):
+            self.watch(self._frozen)
+            self._frozen = [p for p in self._frozen if not p.requires_grad]
 
     def _on_forward(self) -> _OutputHook:
         """The module's forward hook: a counting hook on every output that requires grad."""
@@ -186,6 +201,7 @@ class BackwardCounter:
         """Remove every hook; the counter then sees no more backward passes."""
         _remove_all(self._handles)
         self._watched.clear()
+        self._seen, self._frozen = 0, []
         self._hooked_leaves.clear()
         if self._accumulators is not None:
             self._accumulators.clear()

@@ -169,7 +169,11 @@ class WindowBuffer:
         re-applied to the buffered sums, so ``.grad`` is in the units ``GradScaler.unscale_``
         expects. ``divisor`` None or 1: no division.
         """
-        scale = self.loss_scale() if self.sums else None
+        if not self.sums:  # everything is in .grad: at most one division
+            if divisor is not None and divisor != 1:
+                _grads.div_(_grads.grads_of(params), divisor)
+            return
+        scale = self.loss_scale()
         with torch.no_grad():
             divide: list[Tensor] = []
             merged: list[tuple[Tensor, Tensor]] = []
