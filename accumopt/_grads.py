@@ -54,6 +54,12 @@ def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
     if dense and isinstance(divisor, Tensor):
         torch._foreach_div_(dense, divisor)
     elif dense:
+        dtypes = {g.dtype for g in dense}
+        if len(dtypes) == 1 and all(g.is_cpu for g in dense):  # the usual case: one call
+            dtype = next(iter(dtypes))
+            fast = dtype in _TENSOR_DIVISOR
+            torch._foreach_div_(dense, _cpu_scalar(float(divisor), dtype) if fast else divisor)
+            dense = []
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in dense:
             groups.setdefault((g.device, g.dtype), []).append(g)
