@@ -315,14 +315,9 @@ def concat(
     """
     flats = [flatten(piece, api, root="outputs") for piece in pieces]
     spec = flats[0][1]
-    for k, (_, other) in enumerate(flats[1:], 1):
-        if other != spec:
-            raise ValueError(
-                f"{api}: outputs[{k}] is nested differently from outputs[0] (other keys, "
-                "container types or lengths of lists holding tensors); expected pieces of one "
-                "structure. Return the same structure from every micro-batch, and wrap lists "
-                "of per-sample tensors in accumopt.split.PerSample."
-            )
+    for k, (leaves, other) in enumerate(flats[1:], 1):
+        if other != spec:  # the same leaves in another order (dict keys) are joined by path
+            flats[k] = (_aligned(leaves, flats[0][0], k, api), spec)
     if sizes is not None and len(sizes) != len(pieces):
         raise ValueError(
             f"{api}: sizes={list(sizes)!r} has {len(sizes)} entries for {len(pieces)} pieces; "
@@ -334,6 +329,30 @@ def concat(
     columns = zip(*(leaves for leaves, _ in flats))
     merged = [_join_column([leaf for _, leaf in col], col[0][0], rows, api) for col in columns]
     return pytree.tree_unflatten(merged, spec)
+
+
+def _aligned(
+    leaves: list[tuple[str, Any]], reference: list[tuple[str, Any]], k: int, api: str
+) -> list[tuple[str, Any]]:
+    """``leaves`` in the order of ``reference``'s paths, or ValueError if the paths differ."""
+    by_path = dict(leaves)
+    order = [path for path, _ in reference]
+    if len(by_path) != len(leaves) or sorted(by_path) != sorted(order):
+        missing = sorted(set(order) - set(by_path))[:3]
+        extra = sorted(set(by_path) - set(order))[:3]
+        raise ValueError(
+            f"{api}: outputs[{k}] is nested differently from outputs[0] (missing {missing}, "
+            f"extra {extra}: other keys, or lists holding tensors of other lengths); expected "
+            "pieces of one structure. Return the same structure from every micro-batch, and "
+            "wrap lists of per-sample tensors in accumopt.split.PerSample."
+        )
+    return [(path, by_path[path]) for path in order]
+
+
+def same_structure(a: Batch, b: Batch, api: str) -> bool:
+    """Whether two outputs have the same leaf paths (dict key order aside)."""
+    paths_a = sorted(path for path, _ in flatten(a, api, root="outputs")[0])
+    return paths_a == sorted(path for path, _ in flatten(b, api, root="outputs")[0])
 
 
 def _agreed_rows(leaves: list[tuple[str, Any]]) -> int | None:

@@ -173,7 +173,8 @@ class MicroBatchRunner:
             failure = None
             try:
                 piece = rows_of(offset, offset + size)
-                loss, items, out = self._forward_backward(piece, size)
+                first = outputs[0] if return_outputs and outputs else None
+                loss, items, out = self._forward_backward(piece, size, first)
             except Exception as err:  # re-raised below unless it is an OOM we handle
                 if self.sizer is None or not is_oom(err):
                     raise
@@ -219,8 +220,17 @@ class MicroBatchRunner:
             warn_small_batchnorm(self.model, size)
         return size
 
-    def _forward_backward(self, piece: Any, rows: int) -> tuple[Tensor, float, Any]:
+    def _forward_backward(
+        self, piece: Any, rows: int, first_out: Any = None
+    ) -> tuple[Tensor, float, Any]:
         loss, items, out = _parse(self.loss_fn(piece), rows)
+        if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
+            raise ValueError(  # before the backward pass: this micro-batch is not counted
+                "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
+                "micro-batch's (other keys or leaves); expected one structure for every "
+                "micro-batch with return_outputs=True. The micro-batches before this one were "
+                "trained; this one and the rest of the batch were not."
+            )
         if self.loss_reduction == "mean":
             if items == 0:
                 # a mean over no item is 0/0, whose gradient is NaN; its sum is 0: backpropagate

@@ -471,3 +471,40 @@ def test_parallel_backward_with_a_jagged_batch() -> None:
     model.zero_grad()
     (sum(model(c).sum() for c in jagged.unbind()) / 5).backward()
     torch.testing.assert_close(split_grad, model.weight.grad)
+
+
+def test_runner_joins_output_dicts_whose_keys_come_in_another_order() -> None:
+    from accumopt import Accumulate, MicroBatchRunner
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=7)
+
+    def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        out = model(b)
+        outs = {"logits": out.detach(), "rows": b.detach()}
+        if b.shape[0] < 3:  # the last micro-batch builds its dict in another order
+            outs = {"rows": outs["rows"], "logits": outs["logits"]}
+        return out.sum(), b.shape[0], outs
+
+    _, joined = MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+    assert list(joined) == ["logits", "rows"]
+    assert torch.equal(joined["rows"], x)
+
+
+def test_runner_refuses_other_output_keys_before_the_micro_batch_is_counted() -> None:
+    from accumopt import Accumulate, MicroBatchRunner
+
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=100)
+
+    def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        out = model(b)
+        key = "a" if opt.micro_step == 0 else "b"
+        return out.sum(), b.shape[0], {key: out.detach()}
+
+    with pytest.raises(ValueError, match="nested differently"):
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+    assert opt.micro_step == 1 and opt.items == 3  # the second micro-batch was not counted
