@@ -2,16 +2,22 @@
 
 A wrapper's state dict is the inner optimizer's state dict plus one ``"accumopt"`` entry::
 
-    {"format": 2, "every": 4, "every_items": None, "reduction": "mean", "updates": 12,
-     "window": None | {"micro_step", "items", "weighted", "closed", "stepped",
+    {"format": 3, "every": 4, "every_items": None, "reduction": "mean", "updates": 12,
+     "window": None | {"micro_step", "items", "weighted", "closed", "stepped", "size",
                        "grads": {param index: .grad}, "buffer": {param index: sum},
-                       "buffer_all", "found_inf", "unfolded"}}
+                       "buffer_all", "found_inf", "unfolded"},
+     "schedule": {"scheduled", "updates", "items_seen", "size", "schedule_state"},
+     "noise_scale": None | NoiseScale.state_dict()}
 
 Parameter indices count over the param groups in order, as the inner state dict's ``"state"``
 does. ``"window"`` is None at an accumulation boundary. Formats read:
 
 - 1: the same entry with ``"version": 1`` in place of ``"format": 2`` (accumopt 0.1.0).
-- 2: the entry above.
+- 2: the entry without ``"schedule"``, ``"noise_scale"`` and the window's ``"size"``.
+- 3: the entry above. With a window schedule, ``"every"``/``"every_items"`` are the open
+  window's size; the schedule itself is not stored (the loading wrapper is built with it), only
+  where it stands: updates, items seen, the open window's size and the schedule's own
+  ``state_dict()`` (``schedules.AdaptiveBatch``), and the noise-scale averages.
 
 A change of the entry's meaning gets a new format number, and this module keeps reading the
 older ones.
@@ -30,8 +36,8 @@ if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
 
 KEY = "accumopt"
-FORMAT = 2
-_READABLE = (1, 2)
+FORMAT = 3
+_READABLE = (1, 2, 3)
 
 
 def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
@@ -63,6 +69,8 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
         "reduction": reduction,
         "updates": opt.updates,
         "window": window,
+        "schedule": {"scheduled": opt._window.schedule is not None, **opt._window.progress()},
+        "noise_scale": None if opt.noise_scale is None else opt.noise_scale.state_dict(),
     }
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state)
@@ -100,6 +108,10 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     # optimizer: share the new ones (schedulers built later must reach the inner).
     opt.param_groups = opt.optimizer.param_groups
     opt.state = opt.optimizer.state
+    progress = (extra or {}).get("schedule") or {"updates": opt.updates, "items_seen": 0.0}
+    opt._window.restore_progress(progress)
+    if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
+        opt.noise_scale.load_state_dict(extra["noise_scale"])
     opt._restart(clear_grads=bool(opt._window.micro_step))
     if window is not None:
         opt._window.restore(window)
@@ -129,8 +141,12 @@ def _check_entry(
     window: dict[str, Any] | None = extra.get("window")
     if window is None:
         return None
-    saved = (extra["every"], extra["every_items"], extra["reduction"])
-    ours = opt._window.settings()
+    saved: tuple[object, ...] = (extra["every"], extra["every_items"], extra["reduction"])
+    ours: tuple[object, ...] = opt._window.settings()
+    scheduled = bool((extra.get("schedule") or {}).get("scheduled"))
+    if scheduled or opt._window.schedule is not None:  # the open window's size is restored
+        saved = ("schedule" if scheduled else saved[0], saved[1] is None, saved[2])
+        ours = ("schedule" if opt._window.schedule else ours[0], ours[1] is None, ours[2])
     if saved != ours:
         raise ValueError(
             f"Accumulate.load_state_dict: the checkpoint holds an open window saved with "
@@ -151,7 +167,15 @@ def _check_entry(
     return window
 
 
-_SETTINGS = ("max_grad_norm", "scaler", "buffer", "nonfinite", "model", "reduce_every_micro_step")
+_SETTINGS = (
+    "max_grad_norm",
+    "scaler",
+    "buffer",
+    "nonfinite",
+    "model",
+    "reduce_every_micro_step",
+    "noise_scale",
+)
 
 
 def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
@@ -159,8 +183,8 @@ def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
     patches ``step`` on the instance with a closure over a weakref, which must neither be
     pickled nor shared by a deep copy."""
     params = _grads.params_of(opt.param_groups)
-    every, every_items, reduction = opt._window.settings()
-    settings = {"every": every, "every_items": every_items, "reduction": reduction}
+    every, every_items = opt._window.spec()  # the schedule, if any
+    settings = {"every": every, "every_items": every_items, "reduction": opt.reduction}
     settings.update({name: getattr(opt, name) for name in _SETTINGS})
     return {
         "optimizer": opt.optimizer,
@@ -169,6 +193,7 @@ def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
         "updates": opt.updates,
         "did_update": opt.did_update,
         "window": opt._window.position(),
+        "progress": opt._window.progress(),
         "grads": [p.grad for p in params] if opt._window.micro_step else None,
         "buffer": opt._buffer,
     }
@@ -182,6 +207,7 @@ def setstate(opt: AccumulatingOptimizer, state: dict[str, Any]) -> None:
     opt.skipped_micro_steps = state["skipped_micro_steps"]
     opt.updates = state["updates"]
     opt.did_update = state["did_update"]
+    opt._window.restore_progress(state["progress"])
     opt._window.restore(state["window"])
     opt._buffer = state["buffer"]
     opt._buffer.forget_params()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
+from typing import Any
 
 import torch
 
@@ -69,14 +70,17 @@ def claim(optimizer: torch.optim.Optimizer, wrapper: object) -> None:
     _OWNERS[optimizer] = weakref.ref(wrapper)
 
 
-def check_window(every: object, every_items: object) -> tuple[int | None, float | None]:
-    """Validate the two window arguments; exactly one must be given."""
+def check_window(every: object, every_items: object) -> tuple[Any, Any]:
+    """Validate the two window arguments; exactly one must be given: a size, or a schedule (a
+    callable ``f(updates, items_seen) -> size``, validated by the window when it asks it)."""
     if (every is None) == (every_items is None):
         raise ValueError(
             f"Accumulate: got every={every!r} and every_items={every_items!r}; expected exactly "
             "one of them: every=N (backward passes per update) or every_items=T (items, e.g. "
-            "samples or tokens, per update)."
+            "samples or tokens, per update), or a schedule of either (accumopt.schedules)."
         )
+    if callable(every) or callable(every_items):
+        return every, every_items
     if every is not None:
         if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(

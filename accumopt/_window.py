@@ -15,47 +15,138 @@ the window is full and what the window's summed gradient must be divided by. The
   ``reduction="sum"``.
 - Every counted micro-step waits for its ``step()``; a closed window takes no micro-step until
   ``step()`` (or ``flush()``/``discard()``) has consumed it.
+- A window's size may come from a *schedule* (``accumopt.schedules``, or any callable
+  ``f(updates, items_seen) -> size``): asked once per window, when it opens (at
+  :meth:`Window.reset`), with the number of updates applied so far and the items (over all
+  ranks) of those updates. The size is validated then; a bad one is refused with the update it
+  was asked for, and the window stays empty (the one before it was applied) until the schedule
+  gives a valid size.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from typing import Any
+
+SizeFn = Callable[[int, float], Any]
+"""A window schedule: ``f(updates, items_seen)`` -> micro-steps (``every``) or items
+(``every_items``) for the window that opens now."""
 
 
 class Window:
     """The open window's position, and the rules above.
 
     Args:
-        every: micro-steps per window (int >= 1), or None.
-        every_items: items per window (float > 0), or None; exactly one of the two is given
-            (validated by the caller).
+        every: micro-steps per window (int >= 1) or a schedule of them, or None.
+        every_items: items per window (float > 0) or a schedule of them, or None; exactly one
+            of the two is given (validated by the caller).
         reduction: ``"mean"`` or ``"sum"``.
 
     Attributes:
+        every (int | None), every_items (float | None): the open window's size (with a
+            schedule: the size it gave when this window opened).
+        schedule (SizeFn | None): the schedule, if any.
+        updates (int), items_seen (float): updates applied, and their items over all ranks
+            (what the schedule is asked with).
         micro_step (int): micro-steps counted in the open window.
         items (float): items counted in the open window, over all ranks (0.0 if unweighted).
         weighted (bool | None): the kind of the window's micro-steps; None while it is empty.
         closed (bool): the window is full and waits for ``step()``.
         stepped (bool): no counted micro-step waits for its ``step()``.
+
+    Raises:
+        ValueError: the schedule gives a bad size for the first window.
     """
 
-    def __init__(self, every: int | None, every_items: float | None, reduction: str) -> None:
-        self.every = every
-        self.every_items = every_items
+    def __init__(self, every: Any, every_items: Any, reduction: str) -> None:
+        self.in_items = every_items is not None
+        size = every_items if self.in_items else every
+        self.schedule: SizeFn | None = size if callable(size) else None
+        self.every: int | None = None
+        self.every_items: float | None = None
+        if self.schedule is None:
+            self._set_size(size)
         self.reduction = reduction
+        self.updates, self.items_seen = 0, 0.0
+        self.size_error: str | None = None
         self.stepped = True
         self.reset()
 
-    def reset(self) -> None:
-        """Open a new, empty window."""
+    def _set_size(self, size: Any) -> None:
+        if self.in_items:
+            self.every_items = float(size)
+        else:
+            self.every = int(size)
+
+    def reset(self, opened: Callable[[], None] | None = None) -> None:
+        """Open a new, empty window (asking the schedule for its size, if any); ``opened`` is
+        called once the window is open, before a bad size is raised.
+
+        Raises:
+            ValueError: the schedule gave a bad size (see :meth:`size_problem`).
+        """
         self.micro_step = 0
         self.items = 0.0
         self.weighted: bool | None = None
         self.closed = False
+        try:
+            error = None if self.schedule is None else self.resize()
+        finally:
+            if opened is not None:
+                opened()
+        if error is not None:
+            raise ValueError(error)
+
+    def resize(self) -> str | None:
+        """Ask the schedule for the open window's size: None when it is valid (and set), else
+        why not (kept in :attr:`size_error`; the previous size stays)."""
+        assert self.schedule is not None
+        size = self.schedule(self.updates, self.items_seen)
+        self.size_error = self.size_problem(size)
+        if self.size_error is None:
+            self._set_size(size)
+        return self.size_error
+
+    def size_problem(self, size: Any) -> str | None:
+        """Why ``size`` cannot be this window's size (message), or None when it can."""
+        low = getattr(self.schedule, "minimum", None)
+        high = getattr(self.schedule, "maximum", None)
+        if self.in_items:
+            ok = isinstance(size, numbers.Real) and not isinstance(size, bool)
+            ok = ok and math.isfinite(float(size)) and float(size) > 0
+            expected = "a positive finite number of items"
+        else:
+            ok = isinstance(size, numbers.Integral) and not isinstance(size, bool)
+            ok = ok or (isinstance(size, float) and size.is_integer())
+            ok = ok and size >= 1
+            expected = "a whole number of micro-steps >= 1"
+        if ok and low is not None and size < low:
+            ok, expected = False, f"at least its minimum {low:g} (it shrank below the bound)"
+        if ok and high is not None and size > high:
+            ok, expected = False, f"at most its maximum {high:g}"
+        if ok:
+            return None
+        return (
+            f"Accumulate: the window schedule {self.schedule!r} gave {size!r} for update "
+            f"{self.updates + 1} (after {self.updates} update(s) and {self.items_seen:g} "
+            f"items); expected {expected}. Nothing accumulated was lost (the window before was "
+            "applied, this one is empty): fix the schedule; the next backward pass asks it again."
+        )
+
+    def applied(self, updates: int) -> int:
+        """The closed window's update was applied (``updates`` before it): count its items
+        as seen; return the new update count."""
+        self.updates = updates + 1
+        self.items_seen += self.items
+        return self.updates
 
     def refusal(self, weighted: bool) -> tuple[type[Exception], str] | None:
         """Why a micro-step of this kind cannot join the window now (exception type and
         message), or None when it can."""
+        if self.size_error is not None and self.resize() is not None:
+            return ValueError, self.size_error
         if self.closed:
             return RuntimeError, (
                 f"Accumulate: the window closed after {self.micro_step} micro-step(s) and step() "
@@ -111,8 +202,34 @@ class Window:
     # ------------------------------------------------------------------ checkpoints
 
     def settings(self) -> tuple[int | None, float | None, str]:
-        """``(every, every_items, reduction)``: what a checkpoint's window must match."""
+        """``(every, every_items, reduction)``: what a checkpoint's window must match (the
+        open window's size, with a schedule)."""
         return self.every, self.every_items, self.reduction
+
+    def spec(self) -> tuple[Any, Any]:
+        """``(every, every_items)`` as given to the constructor (a schedule, if any)."""
+        given = self.schedule if self.schedule is not None else self.every_items or self.every
+        return (None, given) if self.in_items else (given, None)
+
+    def progress(self) -> dict[str, Any]:
+        """Where the schedule stands, for a checkpoint (format 3): updates, items seen, the
+        open window's size and the schedule's own state (``state_dict()``, if it has one)."""
+        state = getattr(self.schedule, "state_dict", None)
+        return {
+            "updates": self.updates,
+            "items_seen": self.items_seen,
+            "size": self.every_items if self.in_items else self.every,
+            "schedule_state": state() if callable(state) else None,
+        }
+
+    def restore_progress(self, progress: dict[str, Any]) -> None:
+        """Resume the schedule at :meth:`progress` (the open window is resized by the next
+        :meth:`reset`, or set by :meth:`restore`)."""
+        self.updates = int(progress["updates"])
+        self.items_seen = float(progress["items_seen"])
+        load = getattr(self.schedule, "load_state_dict", None)
+        if callable(load) and progress.get("schedule_state") is not None:
+            load(progress["schedule_state"])
 
     def position(self) -> dict[str, Any]:
         """The open window's position, for a checkpoint."""
@@ -122,6 +239,7 @@ class Window:
             "weighted": self.weighted,
             "closed": self.closed,
             "stepped": self.stepped,
+            "size": self.every_items if self.in_items else self.every,
         }
 
     def restore(self, position: dict[str, Any]) -> None:
@@ -131,3 +249,6 @@ class Window:
         self.weighted = position["weighted"]
         self.closed = bool(position["closed"])
         self.stepped = bool(position["stepped"])
+        if self.schedule is not None and position.get("size") is not None:
+            self._set_size(position["size"])  # the size the open window was opened with
+            self.size_error = None

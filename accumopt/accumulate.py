@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from accumopt import _checkpoint, _checks, _refusals
+from accumopt import _checkpoint, _checks, _refusals, noise
 from accumopt._backward_counter import BackwardCounter
 from accumopt._grads import params_of
-from accumopt._window import Window
+from accumopt._window import SizeFn, Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.distributed import GradSync, is_distributed, sync_for
 
@@ -52,8 +52,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim.Optimizer`` but LBFGS; its ``param_groups``, ``state`` and
             ``defaults`` are shared (schedulers, clipping and checkpoints work unchanged).
-        every: micro-steps per update (int >= 1); or ``every_items``: items per update (the
-            window closes at the first micro-step whose running total reaches it).
+        every: micro-steps per update (int >= 1), or ``every_items``: items per update; either
+            may be a schedule (``accumopt.schedules``). noise_scale: see ``accumopt.noise``.
         reduction: ``"mean"`` (default) or ``"sum"`` (padertorch's summed gradients).
         max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step.
         scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``: each micro-step is
@@ -90,9 +90,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        every: int | None = None,
+        every: int | SizeFn | None = None,
         *,
-        every_items: float | None = None,
+        every_items: float | SizeFn | None = None,
         reduction: str = "mean",
         max_grad_norm: float | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -100,6 +100,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         nonfinite: str | None = None,
         model: torch.nn.Module | None = None,
         reduce_every_micro_step: bool = False,
+        noise_scale: bool | noise.NoiseScale = False,
     ) -> None:
         inner = _checks.check_optimizer(optimizer)
         every, every_items = _checks.check_window(every, every_items)
@@ -128,8 +129,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
         fsdp = self._sync.fsdp
         self._counter = BackwardCounter(self._on_backward_end, model, confirm_accumulation=not fsdp)
-        self._counter.watch(params)
+        self._counter.watch_groups(self.param_groups)
         self._plan_sync()
+        self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
 
     every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
@@ -299,8 +301,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             self.optimizer.step()
-            self.updates += 1
-            self.did_update = True
+            self.updates, self.did_update = self._window.applied(self.updates), True
         self._reset_window()
 
     def flush(self) -> bool:
@@ -346,13 +347,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if self._window.micro_step == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
             # once per window: count parameters unfrozen since the last look
-            self._counter.watch(params_of(self.param_groups))
+            self._counter.watch_groups(self.param_groups)
             self._counter.rearm()  # no gradient is left over from a pass that died
 
     def _reset_window(self) -> None:
-        self._window.reset()
         self._buffer.reset()
-        self._plan_sync()
+        self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (and count backward passes through it)."""

@@ -125,7 +125,7 @@ class GradSync:
         self.synced = False
         self._enabled = True
 
-    def check_fsdp(self, every: int | None, scaler: object, buffer_all: bool) -> None:
+    def check_fsdp(self, every: object, scaler: object, buffer_all: bool) -> None:
         """FSDP2 gradients are sharded: only FSDP2's own reduce-scatter can combine them."""
         if not self.fsdp:
             return

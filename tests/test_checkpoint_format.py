@@ -57,7 +57,7 @@ def test_state_dict_writes_the_current_format_number() -> None:
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
     model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
     entry = opt.state_dict()["accumopt"]
-    assert entry["format"] == FORMAT == 2
+    assert entry["format"] == FORMAT == 3
     assert entry["window"]["micro_step"] == 1
 
 

@@ -118,3 +118,61 @@ def test_a_closed_window_refuses_the_next_micro_step_until_reset(every: int) -> 
     assert "step()" in refusal[1]
     window.reset()
     assert window.refusal(False) is None
+
+
+@given(
+    st.booleans(),
+    st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    st.integers(1, 3),
+    events,
+)
+def test_a_scheduled_window_follows_the_reference_rules(
+    in_items: bool, sizes: list[int], world: int, sequence: list[object]
+) -> None:
+    """With a schedule, each window is sized when it opens, from the updates applied and their
+    items; inside it, the rules are those of a fixed window of that size."""
+
+    def schedule(updates: int, seen: float) -> float:
+        return sizes[(updates + int(seen)) % len(sizes)] * (1.5 if in_items else 1)
+
+    every, every_items = (None, schedule) if in_items else (schedule, None)
+    window = Window(every, every_items, "mean")
+    updates, seen = 0, 0.0
+    ref = Reference(*((None, schedule(0, 0.0)) if in_items else (schedule(0, 0.0), None)), "mean")
+    for event in sequence:
+        if event == "reset":
+            if window.closed:  # the update was applied: the schedule moves on
+                assert window.applied(updates) == updates + 1
+                updates, seen = updates + 1, seen + sum(i for i in ref.steps if i is not None)
+            window.reset()
+            size = schedule(updates, seen)
+            ref = Reference(*((None, size) if in_items else (int(size), None)), "mean")
+            assert (window.every_items if in_items else window.every) == size
+            assert (window.updates, window.items_seen) == (updates, seen)
+            continue
+        items = None if event is None else float(event)  # type: ignore[arg-type]
+        refusal = window.refusal(items is not None)
+        assert (refusal[0] if refusal else None) is ref.refuses(items)
+        if refusal is not None:
+            continue
+        closes = window.count(items)
+        ref.steps.append(items)
+        assert closes == ref.closed() == window.closed
+        assert window.divisor(world) == ref.divisor(world)
+        assert window.next_closes() == (not in_items and len(ref.steps) + 1 >= ref.every)  # type: ignore[operator]
+
+
+def test_a_schedule_s_bad_size_is_refused_until_it_gives_a_good_one() -> None:
+    sizes = [2, 0]
+    window = Window(lambda updates, seen: sizes[min(updates, 1)], None, "mean")
+    window.count(None)
+    window.count(None)
+    window.applied(0)
+    opened = []
+    with pytest.raises(ValueError, match=r"update 2 .*whole number of micro-steps"):
+        window.reset(opened=lambda: opened.append(window.micro_step))
+    assert opened == [0] and window.micro_step == 0
+    refusal = window.refusal(False)
+    assert refusal is not None and refusal[0] is ValueError and "update 2" in refusal[1]
+    sizes[1] = 3
+    assert window.refusal(False) is None and window.every == 3

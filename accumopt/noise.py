@@ -1,0 +1,331 @@
+"""The gradient noise scale, online, from gradients an accumulation window already holds.
+
+McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"
+(arXiv:1812.06162), App. A.1: the *simple noise scale* ``B_simple = tr(Σ) / |G|²`` (``G`` the
+true gradient, ``Σ`` the per-item gradient covariance) predicts the critical batch size. With
+``B`` i.i.d. items, ``E|G_B|² = |G|² + tr(Σ)/B``, so the squared norms of two gradients of the
+same weights at two batch sizes ``B_small < B_big`` give unbiased estimates of both parts::
+
+    |G|²  ≈ (B_big |G_big|² - B_small |G_small|²) / (B_big - B_small)
+    tr(Σ) ≈ (|G_small|² - |G_big|²) / (1/B_small - 1/B_big)
+
+A window holds both for free: ``G_small`` is the gradient of its **first micro-step**, read in
+``.grad`` at the end of that backward pass (before the second one adds into it), and ``G_big``
+is the window's gradient at the boundary. Under DDP ``G_small`` is each rank's own first
+micro-step (unsynchronised), averaged over the ranks with one 3-element all-reduce per update,
+and ``G_big`` the all-reduced window. ``B`` is in items for weighted windows
+(``opt.backward(loss_sum, items=n)``) and in micro-batches (over all ranks) for plain
+``loss.backward()`` of mean losses: multiply by your micro-batch size to get samples.
+
+Each part is smoothed separately with an exponential moving average (bias-corrected, so its
+first values are not pulled toward 0), and the noise scale is the ratio of the two averages,
+as in the paper. Cost: two ``torch._foreach_norm`` over the gradients per window (one at the
+first micro-step, one at the boundary), no host sync inside the window: a window's norms are
+read (one ``tolist``) when the next window closes, or when a value is asked for.
+
+Assumptions and known bias:
+
+- The items of a window are i.i.d. draws, and the weights do not move within a window (true:
+  the window is one update). Items correlated within a micro-batch (the tokens of one
+  sequence) make ``tr(Σ)`` per token too small; sampling without replacement from a small
+  dataset shrinks both noise terms (finite-population correction, ignored).
+- The ratio of two unbiased averages is not unbiased: ``E[a]/E[b] != E[a/b]``; taking the ratio
+  of the averages (not the average of per-window ratios, which explodes when a window's
+  ``|G|²`` estimate is near 0) keeps the bias small once ``|G|²`` is averaged over enough windows.
+  The parameters change between windows, so the averages mix recent weights (``decay``).
+- A window of one micro-step has one batch size only and adds nothing (except under DDP with
+  accumopt's own boundary all-reduce, where each rank's share is the small batch). A first
+  micro-step DDP synchronised itself (``every=1``) adds nothing either.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from accumopt import _grads
+
+if TYPE_CHECKING:
+    from accumopt._window import Window
+    from accumopt._window_buffer import WindowBuffer
+    from accumopt.accumulate import AccumulatingOptimizer
+
+
+class NoiseScale:
+    """The online estimate of the gradient noise scale ``B_simple = tr(Σ)/|G|²``.
+
+    Build the wrapper with ``noise_scale=True`` (or ``noise_scale=NoiseScale(decay=...)``) and
+    read ``opt.noise_scale.value`` at any time (``float(opt.noise_scale)`` too)::
+
+        opt = Accumulate(torch.optim.AdamW(model.parameters()), every=8, noise_scale=True)
+        ...
+        if opt.did_update:
+            print(opt.noise_scale.value, opt.noise_scale.trace_sigma, opt.noise_scale.grad_sq)
+
+    Args:
+        decay: the EMA decay per window, in [0, 1); None: the plain mean over all windows.
+
+    Attributes:
+        windows (int): windows that gave an estimate (property).
+        last (tuple[float, float] | None): the last window's unsmoothed ``(tr(Σ), |G|²)``.
+        batch_per_micro_step (float | None): the last window's batch (items, or micro-batches
+            over all ranks) per micro-step.
+    """
+
+    def __init__(self, decay: float | None = 0.95) -> None:
+        if decay is not None and not (isinstance(decay, float | int) and 0 <= decay < 1):
+            raise ValueError(
+                f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
+                "window (e.g. 0.95), or None for the plain mean over all windows."
+            )
+        self.decay = decay
+        self._windows = 0
+        self.last: tuple[float, float] | None = None
+        self.batch_per_micro_step: float | None = None
+        self._sums = [0.0, 0.0, 0.0]  # weighted sums of tr(Σ), |G|², and of the weights
+        self._small: tuple[Tensor, float] | None = None  # this window's |G_small|², 1/B_small
+        self._pending: tuple[tuple[Tensor, Any], float, float] | None = (
+            None  # a closed window, unread
+        )
+        self._opt: weakref.ref[AccumulatingOptimizer] | None = None
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def windows(self) -> int:
+        """Windows that gave an estimate so far."""
+        self._read()
+        return self._windows
+
+    @property
+    def trace_sigma(self) -> float | None:
+        """The smoothed ``tr(Σ)`` (per item; None before the first estimate)."""
+        self._read()
+        return self._sums[0] / self._sums[2] if self._sums[2] else None
+
+    @property
+    def grad_sq(self) -> float | None:
+        """The smoothed ``|G|²`` (None before the first estimate)."""
+        self._read()
+        return self._sums[1] / self._sums[2] if self._sums[2] else None
+
+    @property
+    def value(self) -> float | None:
+        """``B_simple = tr(Σ)/|G|²`` from the smoothed parts: None before the first estimate,
+        ``inf`` while the smoothed ``|G|²`` is <= 0 (noise dominates)."""
+        trace, grad = self.trace_sigma, self.grad_sq
+        if trace is None or grad is None:
+            return None
+        return trace / grad if grad > 0 else math.inf
+
+    def __float__(self) -> float:
+        value = self.value
+        return math.nan if value is None else value
+
+    def __repr__(self) -> str:
+        return f"NoiseScale(decay={self.decay!r}, value={self.value!r}, windows={self.windows})"
+
+    def _read(self) -> None:
+        """Fold the closed window's norms into the averages (one host sync)."""
+        if self._pending is None:
+            return
+        (packed, done), inv_big, per_step = self._pending
+        self._pending = None
+        if done is not None:
+            done.synchronize()
+        small_sum, inv_small_sum, ranks, big = packed.tolist()
+        if ranks <= 0:
+            return
+        small, inv_small = small_sum / ranks, inv_small_sum / ranks
+        gap = inv_small - inv_big
+        if not (gap > 0 and math.isfinite(small) and math.isfinite(big)):
+            return  # one batch size only, or an inf/NaN (a window AMP skips)
+        trace, grad = (small - big) / gap, (big * inv_small - small * inv_big) / gap
+        beta = 1.0 if self.decay is None else self.decay
+        sums = self._sums
+        self._sums = [beta * sums[0] + trace, beta * sums[1] + grad, beta * sums[2] + 1.0]
+        self._windows += 1
+        self.last, self.batch_per_micro_step = (trace, grad), per_step
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averages (plain floats; the last window folded in)."""
+        self._read()
+        return {
+            "decay": self.decay,
+            "windows": self.windows,
+            "sums": list(self._sums),
+            "last": self.last,
+            "batch_per_micro_step": self.batch_per_micro_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the averages of :meth:`state_dict`."""
+        self.decay = state["decay"]
+        self._windows = int(state["windows"])
+        self._sums = [float(v) for v in state["sums"]]
+        self.last = None if state["last"] is None else tuple(state["last"])
+        self.batch_per_micro_step = state["batch_per_micro_step"]
+        self._pending = self._small = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._read()
+        return {**self.__dict__, "_opt": None, "_small": None}
+
+    # ------------------------------------------------------------------ the window's hooks
+
+    def _first_micro_step(self, items: float | None, synced: bool) -> None:
+        """The window's first micro-step is in ``.grad``: keep its squared norm (a tensor)."""
+        self._small = None
+        opt = self._opt() if self._opt is not None else None
+        if opt is None or synced or (items is not None and items <= 0):
+            return
+        grads = _grads.grads_of(_grads.params_of(opt.param_groups))
+        if not grads:
+            return
+        n = 1.0 if items is None else float(items)
+        sq = _squared_norm(grads, opt._buffer.loss_scale())
+        self._small = (sq / (n * n), 1.0 / n)
+
+    def _window_closed(self, sync: Any, window: Window, buffer: WindowBuffer) -> None:
+        """The window's gradient is in ``.grad``: pack both norms (no host sync), read the
+        previous window's."""
+        self._read()
+        opt = self._opt() if self._opt is not None else None
+        world = int(getattr(sync, "world_size", 1))
+        big_batch = window.items if window.weighted else float(window.micro_step * world)
+        if opt is None or big_batch <= 0:
+            return
+        grads = _grads.grads_of(_grads.params_of(opt.param_groups))
+        if not grads:
+            return
+        big = _squared_norm(grads, buffer.loss_scale())
+        if window.reduction == "sum":  # .grad holds the sum: the mean is / big_batch
+            big = big / (big_batch * big_batch)
+        if self._small is None:
+            small, inv_small, count = torch.zeros_like(big), 0.0, 0.0
+        else:
+            small, inv_small, count = self._small[0].to(big), self._small[1], 1.0
+        rest = torch.tensor([inv_small, count], dtype=big.dtype, device=big.device)
+        if world > 1:  # the ranks' small-batch norms summed (big: the same on every rank)
+            packed = torch.cat([small.reshape(1), rest, (big / world).reshape(1)])
+            sync.sum_grads([packed])  # one small all-reduce per update
+        else:
+            packed = torch.cat([small.reshape(1), rest, big.reshape(1)])
+        self._small = None
+        self._pending = (_to_host(packed), 1.0 / big_batch, big_batch / window.micro_step)
+
+
+def _to_host(packed: Tensor) -> tuple[Tensor, Any]:
+    """Start copying ``packed`` to the host without waiting for it (CUDA: pinned memory and
+    an event, waited for when the values are read, a window later)."""
+    if packed.device.type != "cuda":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record()
+    return host, done
+
+
+def _squared_norm(grads: list[Tensor], loss_scale: Tensor | None) -> Tensor:
+    """``sum |g|²`` over ``grads`` as a 0-dim tensor (float64 for float64 gradients, else
+    float32), divided by the AMP loss scale squared; no host sync."""
+    try:  # the common case: one device, one dtype, dense: one foreach call, one stack
+        wide = grads[0].dtype == torch.float64
+        norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
+        sq = torch.stack(norms).square().sum()
+        if sq.dtype != (torch.float64 if wide else torch.float32):
+            raise RuntimeError("mixed dtypes")
+    except RuntimeError:
+        sq = _squared_norm_mixed(grads)
+    if loss_scale is not None:
+        sq = sq / loss_scale.to(device=sq.device, dtype=sq.dtype).square()
+    return sq
+
+
+def _squared_norm_mixed(grads: list[Tensor]) -> Tensor:
+    """:func:`_squared_norm` (unscaled) for gradients of several dtypes or devices, or sparse."""
+    wide = [g for g in grads if g.dtype == torch.float64 and not g.is_sparse]
+    rest = [g for g in grads if g.dtype != torch.float64 and not g.is_sparse]
+    norms: list[Tensor] = []
+    if wide:
+        norms += torch._foreach_norm(wide, 2)
+    if rest:
+        norms += torch._foreach_norm(rest, 2, dtype=torch.float32)
+    norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in grads if g.is_sparse]
+    device = norms[0].device
+    dtype = torch.float64 if wide else torch.float32
+    if len({(n.device, n.dtype) for n in norms}) > 1:
+        norms = [n.to(device=device, dtype=dtype) for n in norms]
+    return torch.stack(norms).square().sum()
+
+
+class _NoiseHooks:
+    """Mixed into the wrapper's sync object's class (``LocalSync``/``GradSync``) when the
+    estimate is on: the hooks run at the first micro-step and at the boundary only; with the
+    estimate off nothing is mixed in and nothing runs."""
+
+    noise_scale: NoiseScale
+
+    def counted(self, items: float | None, window: Window) -> float | None:
+        if window.micro_step == 0:
+            synced = bool(getattr(self, "enabled", False))  # DDP synchronises this pass
+            self.noise_scale._first_micro_step(items, synced)
+        return super().counted(items, window)  # type: ignore[misc, no-any-return]
+
+    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
+        super().close(buffer, params, divisor)  # type: ignore[misc]
+        opt = self.noise_scale._opt() if self.noise_scale._opt is not None else None
+        if opt is not None:
+            self.noise_scale._window_closed(self, opt._window, buffer)
+
+
+_MIXED: dict[type, type] = {}
+
+
+def attach(opt: AccumulatingOptimizer, noise_scale: object) -> NoiseScale | None:
+    """Turn the estimate on for ``opt`` (``noise_scale``: False/None, True, or a
+    :class:`NoiseScale`); a schedule that needs it (``schedules.AdaptiveBatch``) turns it on
+    and is bound to it. Returns the estimator, or None when off.
+
+    Raises:
+        TypeError: ``noise_scale`` is none of these.
+        ValueError: an FSDP2 model, or ``reduce_every_micro_step=True`` (no per-rank
+            gradient of the first micro-step to measure).
+    """
+    schedule = opt._window.schedule
+    wants = callable(getattr(schedule, "bind_noise_scale", None))
+    if noise_scale is None or noise_scale is False:
+        if not wants:
+            return None
+        noise_scale = True
+    if noise_scale is True:
+        noise_scale = NoiseScale()
+    if not isinstance(noise_scale, NoiseScale):
+        raise TypeError(
+            f"Accumulate: noise_scale={noise_scale!r} is not supported; expected True, False "
+            "or an accumopt.noise.NoiseScale (e.g. NoiseScale(decay=0.9))."
+        )
+    sync = opt._sync
+    if sync.fsdp or opt.reduce_every_micro_step:
+        raise ValueError(
+            "Accumulate: noise_scale with an FSDP2 model or reduce_every_micro_step=True is not "
+            "supported; expected a single process or DDP with one sync per update (the estimate "
+            "needs each rank's own gradient of a window's first micro-step)."
+        )
+    base = type(sync)
+    mixed = _MIXED.get(base)
+    if mixed is None:
+        mixed = _MIXED[base] = type(f"Noise{base.__name__}", (_NoiseHooks, base), {})
+    sync.__class__ = mixed
+    sync.noise_scale = noise_scale  # type: ignore[union-attr]
+    noise_scale._opt = weakref.ref(opt)
+    if wants:
+        schedule.bind_noise_scale(noise_scale, opt._window.in_items)  # type: ignore[union-attr]
+    return noise_scale
