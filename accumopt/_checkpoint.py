@@ -17,7 +17,10 @@ does. ``"window"`` is None at an accumulation boundary. Formats read:
 - 3: the entry above. With a window schedule, ``"every"``/``"every_items"`` are the open
   window's size; the schedule itself is not stored (the loading wrapper is built with it), only
   where it stands: updates, items seen, the open window's size and the schedule's own
-  ``state_dict()`` (``schedules.AdaptiveBatch``), and the noise-scale averages.
+  ``state_dict()`` (``schedules.AdaptiveBatch``), and the noise-scale averages. Under DDP/FSDP2
+  a weighted window counted in micro-steps saves this rank's own ``"items"`` (they are summed
+  over the ranks at the boundary); formats 1-2 saved them summed already, and such a window is
+  loaded with the sum on rank 0 and 0 on the others.
 
 A change of the entry's meaning gets a new format number, and this module keeps reading the
 older ones.
@@ -112,16 +115,24 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     opt._window.restore_progress(progress)
     if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
         opt.noise_scale.load_state_dict(extra["noise_scale"])
-    opt._restart(clear_grads=bool(opt._window.micro_step))
+    # a restored window starts from its own gradients only (none left from a live window or
+    # from the last update before zero_grad())
+    opt._restart(clear_grads=bool(opt._window.micro_step) or window is not None)
     if window is not None:
         opt._window.restore(window)
         with torch.no_grad():
             for i, g in window["grads"].items():
                 params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
         opt._buffer.restore(window, params)
+        opt._sync.restored(opt._window, items_global=_format(extra or {}) < 3)
         opt._plan_sync()
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
+
+
+def _format(extra: dict[str, Any]) -> Any:
+    """The entry's format number (format 1 called it ``"version"``)."""
+    return extra.get("format", extra.get("version"))
 
 
 def _check_entry(
@@ -130,7 +141,7 @@ def _check_entry(
     """The checkpoint's open window, if any, after checking that it fits this wrapper."""
     if extra is None:
         return None
-    fmt = extra.get("format", extra.get("version"))
+    fmt = _format(extra)
     if fmt not in _READABLE:
         raise ValueError(
             f"Accumulate.load_state_dict: the checkpoint's accumopt entry has format {fmt!r}; "

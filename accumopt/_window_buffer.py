@@ -76,6 +76,7 @@ class WindowBuffer:
         self.sums.clear()
         self.found_inf: Tensor | None = None
         self.unfolded = 0
+        self.final = False  # the closed window's gradient is unscaled and clipped
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current loss scale as a tensor (no host sync), or None without AMP."""
@@ -127,6 +128,8 @@ class WindowBuffer:
         """``scaler.step(opt)`` hands the wrapper the loss scale and the inf/NaN flag of the
         micro-step: remember the flag; inside the window fold every parameter unscaled by its
         own scale; at the boundary unscale the window's gradient."""
+        if self.final:  # a retried step() after the inner step failed: nothing to redo
+            return
         self.note_found_inf(found_inf)
         if not closed:
             self.fold_scaled(params, grad_scale)
@@ -199,8 +202,15 @@ class WindowBuffer:
         """Unscale the closed window's gradient by the current loss scale (``flush()`` outside
         ``scaler.step``), remembering any inf/NaN."""
         scale = self.loss_scale()
-        if scale is not None:
+        if scale is not None and not self.final:
             self.note_found_inf(_grads.unscale_(_grads.grads_of(params), scale))
+
+    def finalize(self, params: list[Tensor], max_grad_norm: float | None) -> None:
+        """Clip the closed window's (unscaled) gradient, once: a retried step after the inner
+        optimizer's step() raised finds it ready and does not clip or unscale it again."""
+        if not self.final and max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        self.final = True
 
     def skip_window(self, params: list[Tensor], check_finite: bool) -> bool:
         """Whether the closed window must be skipped for an inf/NaN: one seen under AMP, or,

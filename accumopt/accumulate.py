@@ -262,8 +262,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         window.stepped, self.did_update = True, False  # a plain micro-step inside the window
         return None
 
-    # Not wrapped in Optimizer's profiler/hook wrapper (~30 us a call) unless step hooks exist;
-    # the inner optimizer's step() keeps its own profiler scope.
+    # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above)
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: None = None) -> None:
@@ -275,17 +274,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self.__dict__.pop("found_inf", None)
             raise problem
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
-        closed, self._window.stepped = self._window.closed, True
-        self.did_update = False
+        closed = self._window.closed  # a boundary counts as stepped once the inner step ran
+        self._window.stepped, self.did_update = not closed, False
         if self._drop_at_step:
             self._drop_at_step = False
             self.drop_micro_step()
             return None
         params = params_of(self.param_groups)
-        if amp:
-            self._buffer.scaler_step(params, grad_scale, self.__dict__["found_inf"], closed)
+        if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
+            found = self._sync.agreed_found_inf(self.scaler, self, self.__dict__["found_inf"])
+            self._buffer.scaler_step(params, grad_scale, found, closed)
         if closed:
             self._finish_window(params)
+            self._window.stepped = True
         return None
 
     _profiled_step = torch.optim.Optimizer.profile_hook_step(_step)
@@ -298,22 +299,16 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            self.optimizer.step()
+            self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even on a retry
+            self.optimizer.step()  # if it raises, the window stays closed: step() retries it
             self.updates, self.did_update = self._window.applied(self.updates), True
         self._reset_window()
 
     def flush(self) -> bool:
         """Apply the open, partial window now (epoch end): the mean over what was accumulated,
-        then clear the gradients. Does nothing when no micro-step is pending.
-
-        Returns:
-            Whether an update was applied (also :attr:`did_update`).
-
-        Raises:
-            RuntimeError: a backward pass failed part-way (see :meth:`discard`); nothing changed.
-        """
+        then clear the gradients. Returns whether an update was applied (:attr:`did_update`);
+        does nothing without a pending micro-step. Raises RuntimeError after a backward pass
+        that failed part-way (see :meth:`discard`), changing nothing."""
         self._check_not_paused("flush")
         self.did_update = False
         if self._window.micro_step == 0:

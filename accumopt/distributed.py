@@ -68,6 +68,13 @@ class LocalSync:
     def settle_items(self, window: Window) -> None:
         """Nothing to sum."""
 
+    def agreed_found_inf(self, scaler: object, opt: object, found_inf: Tensor) -> Tensor:
+        """One process: its own inf/NaN flag."""
+        return found_inf
+
+    def restored(self, window: Window, items_global: bool) -> None:
+        """Nothing to adjust after loading a window."""
+
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         """Form the window's gradient in ``.grad``."""
         buffer.close(params, divisor)
@@ -183,6 +190,29 @@ class GradSync:
         if items is None or window.every is not None:
             return items
         return self.sum(items)
+
+    def restored(self, window: Window, items_global: bool) -> None:
+        """A window was loaded from a checkpoint: no pass of it was synchronised by DDP (unless
+        every micro-step is), and an item count saved already summed over the ranks (formats
+        1-2) is kept by rank 0 alone, so the boundary's sum gives it back exactly."""
+        self.synced = self.reduce_every_micro_step
+        in_steps = window.weighted and window.every is not None
+        if items_global and in_steps and dist.get_rank(self.group) != 0:
+            window.items = 0.0
+
+    def agreed_found_inf(self, scaler: object, opt: object, found_inf: Tensor) -> Tensor:
+        """Under ``scaler.step(opt)``: make every rank see an inf/NaN that any rank saw (one
+        small all-reduce), in the scaler's own record too, so that all ranks skip the same
+        windows and ``scaler.update()`` keeps one loss scale on every rank."""
+        states = scaler._per_optimizer_states  # type: ignore[attr-defined]
+        flags: list[Tensor] = list(states[id(opt)]["found_inf_per_device"].values())
+        for flag in flags:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            self.all_reduces += 1
+        agreed = found_inf.new_zeros(())
+        for flag in flags:
+            agreed += flag.to(found_inf.device)
+        return agreed if flags else found_inf
 
     def settle_items(self, window: Window) -> None:
         """At the boundary of a weighted window counted in micro-steps: sum its items over the

@@ -3,6 +3,7 @@ covers and fails on accumopt before the fix."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -76,3 +77,80 @@ def test_compiled_autograd_refusal_names_compiled_autograd_not_out_of_memory() -
     with pytest.raises(RuntimeError, match="compiled autograd") as refused:
         acc.step()
     assert "out of memory" not in str(refused.value)
+
+
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first step() raises, as an OOM while Adam allocates its state would."""
+
+    failures = 1
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        if self.failures:
+            self.failures -= 1
+            raise torch.OutOfMemoryError("simulated: out of memory in the optimizer's step")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_an_exception_in_the_inner_step_leaves_the_window_intact_and_step_retries_it(
+    amp: bool,
+) -> None:
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    ref = _mlp(3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ((ref(x) - y) ** 2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    ref_opt.step()
+
+    model = _mlp(3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp else None
+    acc = Accumulate(
+        _FailsOnce(model.parameters(), lr=0.1), every=2, max_grad_norm=0.5, scaler=scaler
+    )
+    failed = 0
+    for xb, yb in zip(x.split(3), y.split(3)):
+        loss = ((model(xb) - yb) ** 2).sum()
+        acc.backward(loss if scaler is None else scaler.scale(loss), items=3)
+        step = acc.step if scaler is None else (lambda: scaler.step(acc))
+        try:
+            step()
+        except torch.OutOfMemoryError:
+            failed += 1
+            assert acc.will_update and acc.micro_step == 2  # the window is intact
+            step()  # the retry applies it: unscaled and clipped once
+        if scaler is not None:
+            scaler.update()
+        acc.zero_grad()
+    assert failed == 1 and acc.updates == 1 and acc.did_update
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_checkpoint_loaded_right_after_step_does_not_keep_the_last_window_s_gradient() -> None:
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+
+    def loss(m: nn.Module, a: int, b: int) -> torch.Tensor:
+        return ((m(x[a:b]) - y[a:b]) ** 2).sum()
+
+    model = _mlp(4)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, buffer=True)
+    opt.backward(loss(model, 0, 3), items=3)
+    opt.step()
+    opt.zero_grad()
+    saved = copy.deepcopy({"m": model.state_dict(), "o": opt.state_dict()})
+    opt.backward(loss(model, 3, 8), items=5)
+    opt.step()
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    other = _mlp(4)
+    live = Accumulate(torch.optim.SGD(other.parameters(), lr=0.1), every=2, buffer=True)
+    for a, b in ((0, 4), (4, 8)):  # a whole window; step() done, zero_grad() not yet
+        live.backward(loss(other, a, b), items=b - a)
+        live.step()
+    other.load_state_dict(saved["m"])
+    live.load_state_dict(copy.deepcopy(saved["o"]))
+    live.zero_grad()  # a no-op: the restored window is open
+    live.backward(loss(other, 3, 8), items=5)
+    live.step()
+    for p, q in zip(other.parameters(), expected):
+        assert torch.equal(p, q)

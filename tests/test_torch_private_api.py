@@ -105,6 +105,26 @@ def get_scale_async(method: Any) -> None:
     assert isinstance(scale, Tensor) and scale.numel() == 1
 
 
+def per_optimizer_states(_: Any) -> None:
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    p = torch.ones(2, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    assert all(isinstance(f, Tensor) and f.numel() == 1 for f in flags.values()), flags
+
+
+def treespec_children(_: Any) -> None:
+    def kids(spec: Any) -> list[Any]:  # as _tree.py reads them: children_specs before 2.13
+        return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
+
+    spec = torch.utils._pytree.tree_structure(({"a": 1}, [2]))
+    children = kids(spec)
+    assert spec.type is tuple and len(children) == 2 and children[0].type is dict
+    assert list(children[0].context) == ["a"] and kids(children[1])[0].is_leaf()
+
+
 def profile_hook_step(fn: Any) -> None:
     assert isinstance(
         inspect.getattr_static(torch.optim.Optimizer, "profile_hook_step"), staticmethod
@@ -185,6 +205,12 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
     ("torch.Tensor~_base", "_backward_counter.py", tensor_attribute("_base")),
     ("torch.Tensor._values", "_grads.py (sparse gradients)", sparse_values),
     ("torch.amp.GradScaler._get_scale_async", "accumulate.py / _window_buffer.py", get_scale_async),
+    (
+        "torch.amp.GradScaler~_per_optimizer_states",
+        "distributed.py (ranks agree on inf/NaN)",
+        per_optimizer_states,
+    ),
+    ("torch.utils._pytree.TreeSpec~children", "_tree.py (fast rebuild)", treespec_children),
     ("torch.optim.optimizer._global_optimizer_pre_hooks", "accumulate.py", mapping),
     ("torch.optim.optimizer._global_optimizer_post_hooks", "accumulate.py", mapping),
     ("torch.optim.Optimizer.profile_hook_step", "accumulate.py", profile_hook_step),

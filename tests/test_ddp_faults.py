@@ -1,0 +1,177 @@
+"""Faults under DDP (2 gloo ranks), each found by an adversarial review and named after it: the
+ranks must agree on every decision, and a checkpoint must resume exactly whatever it was
+loaded into. One spawn runs every scenario (spawning costs seconds); the parent compares each
+rank with single-process full-batch training in float64."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from accumopt.testing import run_ranks
+
+DATA = Path(__file__).parent / "data"
+Rows = list[tuple[int, int]]  # per rank: (start, stop)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(7)
+    f64 = torch.float64
+    return nn.Sequential(nn.Linear(4, 6, dtype=f64), nn.Tanh(), nn.Linear(6, 3, dtype=f64))
+
+
+def data(n: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    return x, torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+def full_batch(windows: list[list[Rows]], lr: float = 0.1) -> list[list[float]]:
+    """Plain SGD, one step per window on the union of all ranks' rows (the mean over rows)."""
+    model, (x, y) = net(), data()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for window in windows:
+        rows = [r for micro in window for r in micro]
+        opt.zero_grad()
+        loss = sum(((model(x[a:b]) - y[a:b]) ** 2).sum() for a, b in rows)
+        (loss / sum(b - a for a, b in rows)).backward()  # type: ignore[operator]
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def micro(rank: int, ddp: nn.Module, opt: Any, rows: Rows, scaler: Any = None, bad: bool = False):  # type: ignore[no-untyped-def]
+    x, y = data()
+    a, b = rows[rank]
+    loss = ((ddp(x[a:b]) - y[a:b]) ** 2).sum()
+    if bad:
+        loss = loss * float("inf")
+    if scaler is None:
+        opt.backward(loss, items=b - a)
+        opt.step()
+    else:
+        opt.backward(scaler.scale(loss), items=b - a)
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+
+
+W1 = [[(0, 2), (5, 8)], [(10, 13), (15, 16)], [(20, 24), (25, 27)]]  # 3 micro-steps, ragged
+W2 = [[(30, 31), (35, 39)], [(40, 43), (45, 47)], [(50, 52), (55, 56)]]
+W3 = [[(60, 63), (65, 67)], [(70, 71), (75, 79)], [(80, 82), (85, 88)]]
+
+
+def grad_scaler_inf_on_one_rank(rank: int) -> Any:
+    """Per-micro-step scaler.step(opt), an inf on rank 0 only in window 1: both ranks skip
+    that window and keep one loss scale."""
+    from accumopt import Accumulate
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp, scaler=scaler)
+    scales = []
+    for w, window in enumerate((W1, W2, W3)):
+        for j, rows in enumerate(window):
+            micro(rank, ddp, opt, rows, scaler, bad=(w, j, rank) == (0, 1, 0))
+        scales.append(scaler.get_scale())
+    return [p.detach().flatten().tolist() for p in ddp.parameters()], scales, opt.updates
+
+
+def load_into_the_live_wrapper_then_flush(rank: int) -> Any:
+    """Save after one micro-step, train on to a boundary DDP synchronised, load the checkpoint
+    back into the same wrapper and flush the restored window."""
+    from accumopt import Accumulate
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp)
+    micro(rank, ddp, opt, W1[0])
+    buf = io.BytesIO()
+    torch.save({"m": ddp.module.state_dict(), "o": opt.state_dict()}, buf)
+    for rows in W1[1:]:
+        micro(rank, ddp, opt, rows)
+    assert opt.did_update
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    ddp.module.load_state_dict(saved["m"])
+    opt.load_state_dict(saved["o"])
+    assert opt.flush()
+    return [p.detach().flatten().tolist() for p in ddp.parameters()]
+
+
+FORMAT1 = [[(0, 3), (3, 8)], [(8, 10), (10, 16)]]  # the window the fixtures were saved in
+
+
+def format_1_checkpoint_resumes(rank: int) -> Any:
+    """A mid-window DDP checkpoint of accumopt 0.1.0 (format 1: items summed over the ranks)
+    resumed by today's code, which sums the window's items at the boundary."""
+    from accumopt import Accumulate
+
+    saved = torch.load(DATA / f"ddp_format1_rank{rank}.pt", weights_only=False)
+    base = net()
+    base.load_state_dict(saved["m"])
+    ddp = nn.parallel.DistributedDataParallel(base)
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=2, model=ddp)
+    opt.load_state_dict(saved["o"])
+    x, y = data(40)
+    a, b = FORMAT1[1][rank]
+    opt.backward(((ddp(x[a:b]) - y[a:b]) ** 2).sum(), items=b - a)
+    opt.step()
+    return [p.detach().flatten().tolist() for p in ddp.parameters()]
+
+
+SCENARIOS: dict[str, Callable[[int], Any]] = {
+    "scaler_inf": grad_scaler_inf_on_one_rank,
+    "load_live_flush": load_into_the_live_wrapper_then_flush,
+    "format1": format_1_checkpoint_resumes,
+}
+
+
+def worker(rank: int) -> dict[str, Any]:
+    return {name: run(rank) for name, run in SCENARIOS.items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(worker)
+
+
+def assert_close(got: list[list[float]], expected: list[list[float]]) -> None:
+    for p, q in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_ddp_grad_scaler_inf_on_one_rank_skips_the_window_on_both_and_keeps_one_scale(
+    results: list[dict[str, Any]],
+) -> None:
+    (p0, scales0, updates0), (p1, scales1, updates1) = (r["scaler_inf"] for r in results)
+    assert scales0 == scales1 and updates0 == updates1 == 2
+    assert p0 == p1
+    assert_close(p0, full_batch([W2, W3]))
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_loaded_into_the_live_wrapper_then_flushed_is_exact(
+    results: list[dict[str, Any]],
+) -> None:
+    for r in results:
+        assert_close(r["load_live_flush"], full_batch([[W1[0]]]))
+
+
+@pytest.mark.slow
+def test_ddp_format_1_checkpoint_counts_its_items_once(results: list[dict[str, Any]]) -> None:
+    x, y = data(40)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = [r for m in FORMAT1 for r in m]
+    loss = sum(((model(x[a:b]) - y[a:b]) ** 2).sum() for a, b in rows)
+    (loss / sum(b - a for a, b in rows)).backward()  # type: ignore[operator]
+    opt.step()
+    expected = [p.detach().flatten().tolist() for p in model.parameters()]
+    for r in results:
+        assert_close(r["format1"], expected)
