@@ -67,7 +67,14 @@ class NoiseScale:
             print(opt.noise_scale.value, opt.noise_scale.trace_sigma, opt.noise_scale.grad_sq)
 
     Args:
-        decay: the EMA decay per window, in [0, 1); None: the plain mean over all windows.
+        decay: the EMA decay per measured window, in [0, 1); None: the plain mean over all
+            windows.
+        every_windows: measure one window in this many (int >= 1; default 1, every window).
+            Each measured window costs two squared-norm passes over the gradients: negligible
+            on a GPU (fused), about 2 us per parameter tensor each on a CPU, where a model of
+            many small tensors and a short window may want ``every_windows=4`` or more to stay
+            under 1 % of the loop (``bench/bench_noise_scale.py`` measures it). Under DDP every
+            rank measures the same windows.
 
     Attributes:
         windows (int): windows that gave an estimate (property).
@@ -76,13 +83,23 @@ class NoiseScale:
             over all ranks) per micro-step.
     """
 
-    def __init__(self, decay: float | None = 0.95) -> None:
+    def __init__(self, decay: float | None = 0.95, every_windows: int = 1) -> None:
         if decay is not None and not (isinstance(decay, float | int) and 0 <= decay < 1):
             raise ValueError(
                 f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
                 "window (e.g. 0.95), or None for the plain mean over all windows."
             )
-        self.decay = decay
+        if (
+            isinstance(every_windows, bool)
+            or not isinstance(every_windows, int)
+            or every_windows < 1
+        ):
+            raise ValueError(
+                f"NoiseScale: every_windows={every_windows!r} is not an int >= 1; expected how "
+                "many windows make one measured window (1: every window)."
+            )
+        self.decay, self.every_windows = decay, every_windows
+        self._seen = 0  # windows closed so far: window i is measured when i % every_windows == 0
         self._windows = 0
         self.last: tuple[float, float] | None = None
         self.batch_per_micro_step: float | None = None
@@ -127,7 +144,10 @@ class NoiseScale:
         return math.nan if value is None else value
 
     def __repr__(self) -> str:
-        return f"NoiseScale(decay={self.decay!r}, value={self.value!r}, windows={self.windows})"
+        return (
+            f"NoiseScale(decay={self.decay!r}, every_windows={self.every_windows}, "
+            f"value={self.value!r}, windows={self.windows})"
+        )
 
     def _read(self) -> None:
         """Fold the closed window's norms into the averages (one host sync)."""
@@ -162,6 +182,8 @@ class NoiseScale:
             "sums": list(self._sums),
             "last": self.last,
             "batch_per_micro_step": self.batch_per_micro_step,
+            "every_windows": self.every_windows,
+            "seen": self._seen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,6 +193,8 @@ class NoiseScale:
         self._sums = [float(v) for v in state["sums"]]
         self.last = None if state["last"] is None else tuple(state["last"])
         self.batch_per_micro_step = state["batch_per_micro_step"]
+        self.every_windows = int(state.get("every_windows", self.every_windows))
+        self._seen = int(state.get("seen", 0))
         self._pending = self._small = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -183,7 +207,8 @@ class NoiseScale:
         """The window's first micro-step is in ``.grad``: keep its squared norm (a tensor)."""
         self._small = None
         opt = self._opt() if self._opt is not None else None
-        if opt is None or synced or (items is not None and items <= 0):
+        skipped = self._seen % self.every_windows != 0
+        if opt is None or skipped or synced or (items is not None and items <= 0):
             return
         grads = _grads.grads_of(_grads.params_of(opt.param_groups))
         if not grads:
@@ -196,7 +221,10 @@ class NoiseScale:
         """The window's gradient is in ``.grad``: pack both norms (no host sync), read the
         previous window's."""
         self._read()
+        measured, self._seen = self._seen % self.every_windows == 0, self._seen + 1
         opt = self._opt() if self._opt is not None else None
+        if not measured:
+            return
         world = int(getattr(sync, "world_size", 1))
         big_batch = window.items if window.weighted else float(window.micro_step * world)
         if opt is None or big_batch <= 0:

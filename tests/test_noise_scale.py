@@ -148,11 +148,29 @@ def test_the_estimate_survives_checkpoints_copies_and_pickling() -> None:
     assert pickle.loads(pickle.dumps(opt.noise_scale)).value == opt.noise_scale.value
 
 
+def test_every_windows_measures_one_window_in_n_and_stays_within_10_percent() -> None:
+    model = MeanModel()
+    est = NoiseScale(decay=None, every_windows=4)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=4, noise_scale=est)
+    gen = torch.Generator().manual_seed(2)
+    while opt.updates < 200:
+        opt.backward(model(_items(gen, 8)).sum(), items=8)
+        opt.step()
+        opt.zero_grad()
+    assert est.windows == 50  # windows 0, 4, 8, ... of 200
+    assert est.value == pytest.approx(TRUE_TRACE / TRUE_GRAD_SQ, rel=0.10)
+    resumed = NoiseScale(every_windows=4)
+    resumed.load_state_dict(est.state_dict())
+    assert resumed._seen == 200 and resumed.every_windows == 4
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(TypeError, match="noise_scale="):
         Accumulate(torch.optim.SGD(MeanModel().parameters(), lr=0.1), every=2, noise_scale=3)
     with pytest.raises(ValueError, match="decay"):
         NoiseScale(decay=1.0)
+    with pytest.raises(ValueError, match="every_windows"):
+        NoiseScale(every_windows=0)
 
 
 # ---------------------------------------------------------------------- DDP
