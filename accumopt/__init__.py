@@ -9,9 +9,12 @@ Public names:
     is_oom: whether an exception is an out-of-memory error, in any form torch raises it.
     apply: a drop-in for mbp-pytorch's ``@mbp.apply`` decorator, exact and GradScaler-ready.
     micro_split / Piece: split a nested batch into one piece per device, moved straight there.
+    PerSample / Broadcast: mark a batch value as cut with the rows, or passed whole to every
+        piece (overriding the rule for per-sample lists).
     parallel_backward: forward the pieces on several devices, one exactly weighted backward.
-Submodules: ``accumopt.batchnorm`` (BatchNorm warning and remedy), ``accumopt.testing``
-(simulated out-of-memory errors).
+Submodules: ``accumopt.schedules`` (window schedules, adaptive batch), ``accumopt.noise`` (the
+gradient noise scale), ``accumopt.batchnorm`` (BatchNorm warning and remedy),
+``accumopt.testing`` (simulated out-of-memory errors, gloo ranks).
 """
 
 __version__ = "0.1.0"  # the one source: pyproject.toml reads it (tool.setuptools.dynamic)
@@ -22,13 +25,15 @@ from accumopt.decorator import apply
 from accumopt.oom import is_oom
 from accumopt.parallel import parallel_backward
 from accumopt.runner import MicroBatchRunner
-from accumopt.split import Piece, micro_split
+from accumopt.split import Broadcast, PerSample, Piece, micro_split
 
 __all__ = [
     "Accumulate",
     "AccumulatingOptimizer",
+    "Broadcast",
     "MicroBatchRunner",
     "NoMicroBatchFits",
+    "PerSample",
     "Piece",
     "__version__",
     "apply",
