@@ -85,6 +85,7 @@ class BackwardCounter:
         armed = [True]  # no callback queued for the running pass
         compiled = [False]  # whether the last pass that began ran under compiled autograd
         queue = Variable._execution_engine.queue_callback
+        modules = sys.modules
         confirm = module is not None and confirm_accumulation
         accumulators = _Accumulators() if confirm else None
 
@@ -106,7 +107,7 @@ class BackwardCounter:
         def hook(_: object) -> None:
             if armed[0]:
                 armed[0] = False
-                compiled[0] = _compiled_autograd_on()
+                compiled[0] = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
                 if accumulators is None or accumulators.any_will_run():
                     queue(fire)
                 else:  # a pass that accumulates nothing (torch.autograd.grad) runs no end()
@@ -279,10 +280,13 @@ def _inert_hook() -> Callable[..., None]:
     return _inert
 
 
+_COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"
+
+
 def _compiled_autograd_on() -> bool:
     """Whether compiled autograd (``torch._dynamo.compiled_autograd``) is on; False without
     importing it when nobody did."""
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    module = sys.modules.get(_COMPILED_AUTOGRAD)
     return module is not None and bool(
         module.compiled_autograd_enabled or module.in_compiled_autograd_region
     )

@@ -111,7 +111,7 @@ class WindowBuffer:
     def micro_step_done(self, param_groups: list[dict[str, Any]]) -> None:
         """A micro-step that does not close the window was counted: fold it now, or, under
         AMP, leave it for ``scaler.step`` (which knows its loss scale)."""
-        if self.loss_scale() is not None:
+        if self.scaler is not None and self.loss_scale() is not None:
             self.unfolded += 1
         elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
             self.fold(self.buffered_params(_grads.params_of(param_groups)), None)
