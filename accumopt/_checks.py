@@ -10,11 +10,16 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from accumopt import _grads
+
+
+def positive_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int >= 1 (a bool is not)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= 1
 
 
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
@@ -82,7 +87,7 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
     if callable(every) or callable(every_items):
         return every, every_items
     if every is not None:
-        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        if not positive_int(every):
             raise ValueError(
                 f"Accumulate: every={every!r} is not a positive int; expected the number of "
                 "backward passes (micro-steps) per update, >= 1 (every=1 means no accumulation)."

@@ -20,6 +20,8 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from accumopt._checks import positive_int
+
 logger = logging.getLogger("accumopt")
 
 
@@ -92,7 +94,7 @@ class MicroBatchSizer:
     _brackets: dict[Hashable, _Bracket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 1:
+        if not positive_int(self.start):
             raise ValueError(f"MicroBatchSizer: start={self.start!r}; expected an int >= 1.")
         if not (0 <= self.tolerance < 1):
             raise ValueError(f"MicroBatchSizer: tolerance={self.tolerance!r}; expected 0 <= t < 1.")

@@ -17,6 +17,8 @@ import weakref
 
 from torch import nn
 
+from accumopt._checks import positive_int
+
 SMALL_MICRO_BATCH = 16
 """Rows below which a training-mode BatchNorm's batch statistics are considered unreliable."""
 
@@ -67,7 +69,7 @@ def scale_batchnorm_momentum(model: nn.Module, micro_steps: int) -> None:
     Raises:
         ValueError: ``micro_steps`` is not a positive int.
     """
-    if isinstance(micro_steps, bool) or not isinstance(micro_steps, int) or micro_steps < 1:
+    if not positive_int(micro_steps):
         raise ValueError(
             f"scale_batchnorm_momentum: micro_steps={micro_steps!r}; expected the number of "
             "micro-batches per window, an int >= 1."

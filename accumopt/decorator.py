@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
+from accumopt._checks import positive_int
 
 
 def apply(
@@ -59,7 +60,7 @@ def apply(
             no tensor or a tensor whose rows cannot be cut; the function does not return a
             scalar loss tensor first.
     """
-    if isinstance(ub_size, bool) or not isinstance(ub_size, int) or ub_size < 1:
+    if not positive_int(ub_size):
         raise ValueError(f"apply: ub_size={ub_size!r}; expected rows per micro-batch, an int >= 1.")
     if device_ids is not None:
         raise ValueError(

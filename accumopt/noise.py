@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from accumopt import _grads
+from accumopt._checks import positive_int
 
 if TYPE_CHECKING:
     from accumopt._window import Window
@@ -89,11 +90,7 @@ class NoiseScale:
                 f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
                 "window (e.g. 0.95), or None for the plain mean over all windows."
             )
-        if (
-            isinstance(every_windows, bool)
-            or not isinstance(every_windows, int)
-            or every_windows < 1
-        ):
+        if not positive_int(every_windows):
             raise ValueError(
                 f"NoiseScale: every_windows={every_windows!r} is not an int >= 1; expected how "
                 "many windows make one measured window (1: every window)."

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
+from accumopt._checks import positive_int
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
@@ -82,11 +83,7 @@ class MicroBatchRunner:
                 "accumopt.Accumulate wrapper (Accumulate(torch.optim.AdamW(...), every_items=N))."
             )
         auto = micro_batch_size == "auto"
-        if not auto and (
-            isinstance(micro_batch_size, bool)
-            or not isinstance(micro_batch_size, int)
-            or micro_batch_size < 1
-        ):
+        if not auto and not positive_int(micro_batch_size):
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "
                 "or 'auto'."

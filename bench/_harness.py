@@ -55,6 +55,19 @@ def repeated(window: Piece, n: int) -> Piece:
     return piece
 
 
+NOT_MET = "target from issue 14, not met yet"
+
+
+def cases(grid: list[tuple[Any, Any]], missing: set[Any], ids: list[str]) -> list[object]:
+    """``pytest.param`` for each pair of ``grid``, marked xfail (:data:`NOT_MET`, not strict: a
+    pass shows as XPASS) where the pair is in ``missing`` (it misses its target today)."""
+    xfail = [pytest.mark.xfail(strict=False, reason=NOT_MET)]
+    return [
+        pytest.param(*pair, marks=xfail if pair in missing else [], id=name)
+        for pair, name in zip(grid, ids)
+    ]
+
+
 def quick(config: pytest.Config) -> bool:
     """Whether this session runs the quick variant."""
     return bool(config.getoption("--bench-quick"))

@@ -140,13 +140,17 @@ def hand_window(model: nn.Module, batches: Batches) -> Window:
     return window
 
 
-def accumopt_window(model: nn.Module, batches: Batches, *, given: bool = False) -> Window:
+def accumopt_window(
+    model: nn.Module, batches: Batches, *, given: bool = False, **options: Any
+) -> Window:
     """``Accumulate(SGD, every=k)``: backward, step and zero on every micro-batch; with
-    ``given``, ``model=model`` too (backward passes counted at the model's outputs)."""
+    ``given``, ``model=model`` too (backward passes counted at the model's outputs); other
+    ``options`` go to ``Accumulate`` (``noise_scale=...``)."""
     opt = Accumulate(
         torch.optim.SGD(model.parameters(), lr=LR),
         every=len(batches),
         model=model if given else None,
+        **options,
     )
 
     def window() -> None:

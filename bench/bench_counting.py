@@ -14,14 +14,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-from _harness import Interleave
+from _harness import Interleave, cases
 from _loops import ACCUMOPT, accumopt_window, hand_window, workload
 
 TABLE = "counting"
 TARGET = 1.03
 ROUNDS = 41
 WARMUP = 2
-NOT_MET = "target from issue 14, not met yet"
 TENSORS = (100, 200, 400)
 KS = (1, 2, 3, 4)
 #: (tensors, k) pairs that miss the target on the current code: all of them (medians 1.07-1.12
@@ -29,22 +28,10 @@ KS = (1, 2, 3, 4)
 MISSING: set[tuple[int, int]] = {(tensors, k) for tensors in TENSORS for k in KS}
 
 
-def cases() -> list[object]:
-    return [
-        pytest.param(
-            tensors,
-            k,
-            marks=[pytest.mark.xfail(strict=False, reason=NOT_MET)]
-            if (tensors, k) in MISSING
-            else [],
-            id=f"{tensors}t-k{k}",
-        )
-        for tensors in TENSORS
-        for k in KS
-    ]
+GRID = [(tensors, k) for tensors in TENSORS for k in KS]
 
 
-@pytest.mark.parametrize(("tensors", "k"), cases())
+@pytest.mark.parametrize(("tensors", "k"), cases(GRID, MISSING, [f"{t}t-k{k}" for t, k in GRID]))
 def test_counting(tensors: int, k: int, interleave: Interleave) -> None:
     work = workload(f"{tensors} tensors", k)
     interleave(

@@ -23,9 +23,8 @@ from typing import Any
 import pytest
 import torch
 from _interleave import Rounds, summarize
-from _loops import loss_of, workload
+from _loops import accumopt_window, workload
 
-from accumopt import Accumulate
 from accumopt.noise import NoiseScale
 
 TABLE = "noise scale"
@@ -55,17 +54,7 @@ def noise_window(model: torch.nn.Module, batches: list[Any], every_windows: int)
     """One window of ``Accumulate(SGD, every=k)``, with the estimate measuring one window in
     ``every_windows`` (0: without the estimate)."""
     estimate = NoiseScale(every_windows=every_windows) if every_windows else False
-    opt = Accumulate(
-        torch.optim.SGD(model.parameters(), lr=1e-4), every=len(batches), noise_scale=estimate
-    )
-
-    def window() -> None:
-        for x, y in batches:
-            loss_of(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
-
-    return window
+    return accumopt_window(model, batches, noise_scale=estimate)
 
 
 PARAMS = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from _harness import Interleave
+from _harness import Interleave, cases
 from _loops import (
     HEAVY,
     HUNDRED,
@@ -43,7 +43,6 @@ TARGETS = {
     (RUNNER_AUTO, HUNDRED): 1.05,
     (RUNNER_AUTO, HEAVY): 1.05,
 }
-NOT_MET = "target from issue 14, not met yet"
 #: (runner, model) pairs that miss their target on the current code
 MISSING: set[tuple[str, str]] = {
     (RUNNER_FIXED, TINY),
@@ -54,22 +53,12 @@ MISSING: set[tuple[str, str]] = {
 ID = {TINY: "tiny", HUNDRED: "100t", HEAVY: "heavy", RUNNER_FIXED: "fixed", RUNNER_AUTO: "auto"}
 
 
-def cases() -> list[object]:
-    return [
-        pytest.param(
-            name,
-            model,
-            marks=[pytest.mark.xfail(strict=False, reason=NOT_MET)]
-            if (name, model) in MISSING
-            else [],
-            id=f"{ID[model]}-{ID[name]}",
-        )
-        for name in RUNNERS
-        for model in (TINY, HUNDRED, HEAVY)
-    ]
+GRID = [(name, model) for name in RUNNERS for model in (TINY, HUNDRED, HEAVY)]
 
 
-@pytest.mark.parametrize(("name", "model"), cases())
+@pytest.mark.parametrize(
+    ("name", "model"), cases(GRID, MISSING, [f"{ID[m]}-{ID[n]}" for n, m in GRID])
+)
 def test_runner(name: str, model: str, interleave: Interleave) -> None:
     work = workload(model, K)
     batch, micro = whole_batch(work)
