@@ -1,10 +1,14 @@
 """Count backward passes without asking the user for anything.
 
-A post-accumulate-grad hook on every trainable parameter queues one callback on the autograd
-engine the first time any of them receives a gradient in a backward pass; the engine runs that
-callback once, when the whole backward pass has finished (the mechanism DDP and FSDP use to
-finalise gradient reduction). So ``loss.backward()`` needs no change in user code, and
-``torch.autograd.grad`` (which accumulates nothing) is not counted.
+A hook on every trainable parameter, run just before its gradient is accumulated into
+``.grad``, queues one callback on the autograd engine the first time any of them is reached in
+a backward pass that will accumulate (``torch._C._will_engine_execute_node`` on the parameter's
+``AccumulateGrad`` node: ``torch.autograd.grad``, which accumulates nothing, is not counted);
+the engine runs that callback once, when the whole backward pass has finished (the mechanism
+DDP and FSDP use to finalise gradient reduction). So ``loss.backward()`` needs no change in
+user code. Running before the first accumulation, the hook has paused counting (below) before
+anything reaches ``.grad``: a pass that dies at any later point, whatever kills it (an OOM, a
+user's hook raising, Ctrl-C), leaves counting paused.
 
 "The first time" is a flag: the first hook call disarms it and queues the callback, the
 callback re-arms it. Every other hook call of the pass is one test of the flag, the cheapest
@@ -47,8 +51,8 @@ class BackwardCounter:
             callback, after every gradient of the backward pass has been accumulated into
             ``.grad``. An exception it raises propagates out of ``loss.backward()``. Its
             object is held weakly.
-        module: where to count. ``None``: at the parameters (one post-accumulate-grad hook per
-            watched parameter, run on every backward pass that reaches it). A module: at the
+        module: where to count. ``None``: at the parameters (one hook per watched parameter,
+            run on every backward pass that reaches it, before its accumulation). A module: at the
             tensors its forward calls return (one hook per output per call; for a view, on
             its base, whose history an in-place change of the view keeps in the graph); a
             pass through them counts when it will accumulate into a watched
@@ -113,7 +117,23 @@ class BackwardCounter:
                 else:  # a pass that accumulates nothing (torch.autograd.grad) runs no end()
                     armed[0] = True
 
+        def param_hook(param: weakref.ref[Tensor]) -> Callable[[Tensor], None]:
+            # Runs before the parameter's gradient is accumulated: the first one of a pass
+            # disarms before anything reaches .grad, so a pass that dies at any later point
+            # (an OOM, a user's hook raising, Ctrl-C) leaves counting paused.
+            def on_grad(_: Tensor) -> None:
+                if armed[0]:
+                    armed[0] = False
+                    compiled[0] = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
+                    if _will_accumulate(param()):
+                        queue(fire)
+                    else:  # torch.autograd.grad(loss, params) accumulates nothing
+                        armed[0] = True
+
+            return on_grad
+
         self._hook = hook
+        self._param_hook = param_hook
         self._armed = armed
         self._compiled = compiled
         self._accumulators = accumulators
@@ -134,7 +154,8 @@ class BackwardCounter:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
                 if self._module is None:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))  # type: ignore[no-untyped-call]
+                    hook = self._param_hook(weakref.ref(p))
+                    self._handles.append(p.register_hook(hook))  # type: ignore[no-untyped-call]
                 elif self._accumulators is not None:
                     self._accumulators.add(p)
 
@@ -281,6 +302,17 @@ def _inert_hook() -> Callable[..., None]:
 
 
 _COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"
+
+
+def _will_accumulate(param: Tensor | None) -> bool:
+    """Whether the running backward pass will accumulate into ``param``'s ``.grad`` (the
+    engine refuses the question for ``torch.autograd.grad`` taking it as an input: no)."""
+    if param is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(get_gradient_edge(param).node))
+    except RuntimeError:
+        return False
 
 
 def _compiled_autograd_on() -> bool:

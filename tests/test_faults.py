@@ -154,3 +154,33 @@ def test_a_checkpoint_loaded_right_after_step_does_not_keep_the_last_window_s_gr
     live.step()
     for p, q in zip(other.parameters(), expected):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a user's hook failed"), KeyboardInterrupt()])
+def test_a_pass_killed_by_a_user_hook_or_ctrl_c_after_a_gradient_landed_pauses_counting(
+    error: BaseException,
+) -> None:
+    """The user's post-accumulate-grad hook (registered before the wrapper, so it runs first)
+    raises right after the last layer's weight got its gradient: that partial gradient must
+    not slip into the window as if the retried micro-step were clean."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Tanh(), nn.Linear(3, 1, bias=False)).double()  # one parameter
+    x = torch.randn(4, 3, dtype=torch.float64)
+    armed = [True]
+
+    def explode(_: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise error
+
+    model[1].weight.register_post_accumulate_grad_hook(explode)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    with pytest.raises(type(error)):
+        model(x).sum().backward()
+    assert model[1].weight.grad is not None  # the partial gradient is there
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        acc.backward(model(x).sum())
+    acc.discard()
+    model(x).sum().backward()  # counted again once the partial gradient is dropped
+    acc.step()
+    assert acc.micro_step == 1
