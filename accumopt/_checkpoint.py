@@ -28,12 +28,15 @@ older ones.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from accumopt import _grads
+from accumopt._checks import positive_int
 
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
@@ -152,6 +155,7 @@ def _check_entry(
     window: dict[str, Any] | None = extra.get("window")
     if window is None:
         return None
+    _check_position(window)
     saved: tuple[object, ...] = (extra["every"], extra["every_items"], extra["reduction"])
     ours: tuple[object, ...] = opt._window.settings()
     scheduled = bool((extra.get("schedule") or {}).get("scheduled"))
@@ -176,6 +180,30 @@ def _check_entry(
                     "groups as when it was saved. Nothing was changed."
                 )
     return window
+
+
+def _check_position(window: dict[str, Any]) -> None:
+    """Refuse a window position no wrapper writes (a damaged or edited checkpoint)."""
+    items = window.get("items")
+    problems = {
+        "micro_step": not positive_int(window.get("micro_step")),
+        "items": isinstance(items, bool)
+        or not isinstance(items, numbers.Real)
+        or not math.isfinite(items)
+        or items < 0,
+        "weighted": window.get("weighted") not in (None, True, False),
+        "closed": not isinstance(window.get("closed"), bool),
+        "stepped": not isinstance(window.get("stepped"), bool),
+        "unfolded": not (window.get("unfolded", 0) == 0 or positive_int(window.get("unfolded"))),
+    }
+    bad = [f"{key}={window.get(key)!r}" for key, wrong in problems.items() if wrong]
+    if bad:
+        raise ValueError(
+            f"Accumulate.load_state_dict: the checkpoint's open window has {', '.join(bad)}; "
+            "expected micro_step an int >= 1, items a finite number >= 0, weighted None or a "
+            "bool, closed and stepped bools, unfolded an int >= 0, as state_dict() writes them. "
+            "The checkpoint was changed or damaged: load an intact one. Nothing was changed."
+        )
 
 
 _SETTINGS = (

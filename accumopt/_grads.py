@@ -95,6 +95,28 @@ def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
     return found_inf
 
 
+@torch.no_grad()
+def clip_(params: list[Tensor], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also for sparse gradients.
+
+    torch's clipping has no sparse norm; a sparse gradient's norm is that of its coalesced
+    values (duplicate indices summed first), and it is scaled in place like a dense one. The
+    total norm, the ``1e-6`` guard and the coefficient clamped to 1 are torch's.
+    """
+    grads = grads_of(params)
+    dense, sparse = _split_sparse(grads)
+    if not sparse:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norms = [torch.linalg.vector_norm(g) for g in dense]
+    norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in sparse]
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+
+
 def all_finite(grads: list[Tensor]) -> bool:
     """Whether every gradient is free of inf and NaN (one fused check per device and dtype,
     as ``GradScaler`` does it, and one host sync)."""

@@ -209,7 +209,7 @@ class WindowBuffer:
         """Clip the closed window's (unscaled) gradient, once: a retried step after the inner
         optimizer's step() raised finds it ready and does not clip or unscale it again."""
         if not self.final and max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            _grads.clip_(params, max_grad_norm)
         self.final = True
 
     def skip_window(self, params: list[Tensor], check_finite: bool) -> bool:

@@ -184,3 +184,53 @@ def test_a_pass_killed_by_a_user_hook_or_ctrl_c_after_a_gradient_landed_pauses_c
     model(x).sum().backward()  # counted again once the partial gradient is dropped
     acc.step()
     assert acc.micro_step == 1
+
+
+def test_max_grad_norm_over_a_sparse_embedding_clips_like_the_dense_reference() -> None:
+    idx = torch.tensor([[1, 2, 2], [3, 1, 9]])
+
+    def embedding(sparse: bool) -> nn.Embedding:
+        torch.manual_seed(0)
+        return nn.Embedding(10, 4, sparse=sparse).double()
+
+    dense = embedding(False)
+    ref = torch.optim.SGD(dense.parameters(), lr=0.5)
+    (dense(idx).pow(2).sum() / 2).backward()
+    torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.3)
+    ref.step()
+
+    sparse = embedding(True)
+    acc = Accumulate(torch.optim.SGD(sparse.parameters(), lr=0.5), every=2, max_grad_norm=0.3)
+    for row in idx:  # two micro-steps; index 1 and 2 repeat: uncoalesced sparse gradients
+        sparse(row).pow(2).sum().backward()
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    torch.testing.assert_close(sparse.weight, dense.weight, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("micro_step", -1),
+        ("micro_step", 0),
+        ("items", float("nan")),
+        ("items", -2.0),
+        ("closed", "yes"),
+        ("unfolded", -3),
+    ],
+)
+def test_a_tampered_checkpoint_window_is_refused_and_changes_nothing(
+    field: str, value: object
+) -> None:
+    model = _mlp(6)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    opt.backward(model(torch.randn(2, 3, dtype=torch.float64)).sum(), items=2)
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    state["accumopt"]["window"][field] = value
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=f"{field}="):
+        opt.load_state_dict(state)
+    assert opt.micro_step == 1 and opt.items == 2.0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
