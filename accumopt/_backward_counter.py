@@ -96,10 +96,12 @@ class BackwardCounter:
         # Closures built once: per backward pass they cost one Python call per hooked tensor
         # (a flag test) and two engine callbacks.
         def end() -> None:
-            armed[0] = True
             owner = owner_ref()
             if owner is not None:
+                # if the owner's bookkeeping raises (a refusal, a KeyboardInterrupt), the pass's
+                # gradient is in .grad but not counted: counting stays paused until it is dropped
                 function(owner)
+            armed[0] = True
 
         def fire() -> None:
             # Queued by the first gradient of the pass, this callback runs before callbacks

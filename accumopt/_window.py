@@ -87,10 +87,12 @@ class Window:
         Raises:
             ValueError: the schedule gave a bad size (see :meth:`size_problem`).
         """
+        # plain stores, no call between them: a KeyboardInterrupt lands before or after all
         self.micro_step = 0
         self.items = 0.0
         self.weighted: bool | None = None
         self.closed = False
+        self.done = False
         try:
             error = None if self.schedule is None else self.resize()
         finally:
@@ -138,6 +140,7 @@ class Window:
     def applied(self, updates: int) -> int:
         """The closed window's update was applied (``updates`` before it): count its items
         as seen; return the new update count."""
+        self.done = True  # from here on a retried step() only resets (the update is applied)
         self.updates = updates + 1
         self.items_seen += self.items
         return self.updates

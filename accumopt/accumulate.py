@@ -22,6 +22,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from accumopt import _checkpoint, _checks, _refusals, noise
 from accumopt._backward_counter import BackwardCounter
 from accumopt._grads import params_of
+from accumopt._inner import watch_steps
 from accumopt._window import SizeFn, Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.distributed import GradSync, is_distributed, sync_for
@@ -133,6 +134,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._plan_sync()
         self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
+        self._inner_steps = watch_steps(inner, self)
 
     every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
     every_items = property(lambda self: self._window.every_items, doc="Items per window, or None.")
@@ -293,15 +295,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _finish_window(self, params: list[Tensor]) -> None:
         """Step the inner optimizer on the window's gradient (or skip it), then reset."""
-        skip = self._window.divisor() is None or self._buffer.skip_window(
-            params, check_finite=self.nonfinite == "skip_window"
-        )
-        if skip:
+        check_finite = self.nonfinite == "skip_window"
+        if self._window.done:  # applied already, only the reset failed: a retry finishes it
+            self.did_update = True
+        elif self._window.divisor() is None or self._buffer.skip_window(params, check_finite):
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even on a retry
-            self.optimizer.step()  # if it raises, the window stays closed: step() retries it
-            self.updates, self.did_update = self._window.applied(self.updates), True
+            before = self._inner_steps[0]
+            try:  # if it raises before updating, the window stays closed: step() retries it
+                self.optimizer.step()
+            finally:  # updated, even if a post hook raised after it: the window is applied
+                if self._inner_steps[0] > before:
+                    self.updates, self.did_update = self._window.applied(self.updates), True
         self._reset_window()
 
     def flush(self) -> bool:

@@ -125,6 +125,14 @@ def treespec_children(_: Any) -> None:
     assert list(children[0].context) == ["a"] and kids(children[1])[0].is_leaf()
 
 
+def post_hooks_ordered(_: Any) -> None:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    first = opt.register_step_post_hook(lambda *_: None)
+    second = opt.register_step_post_hook(lambda *_: None)
+    opt._optimizer_step_post_hooks.move_to_end(second.id, last=False)
+    assert list(opt._optimizer_step_post_hooks) == [second.id, first.id]
+
+
 def profile_hook_step(fn: Any) -> None:
     assert isinstance(
         inspect.getattr_static(torch.optim.Optimizer, "profile_hook_step"), staticmethod
@@ -218,6 +226,11 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         "torch.optim.Optimizer~_optimizer_step_pre_hooks",
         "accumulate.py",
         instance_attribute("_optimizer_step_pre_hooks"),
+    ),
+    (
+        "torch.optim.Optimizer~_optimizer_step_post_hooks.move_to_end",
+        "_inner.py (a post hook run first)",
+        post_hooks_ordered,
     ),
     (
         "torch.optim.Optimizer~_optimizer_step_post_hooks",

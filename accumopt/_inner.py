@@ -1,0 +1,27 @@
+"""The inner optimizer's real steps, as a post-step hook sees them.
+
+torch runs an optimizer's post-step hooks after its update: when ``inner.step()`` raises, a
+count taken by a hook that runs first tells whether the update was applied (a later hook
+raised) or not (the step itself failed), so the wrapper never applies one window twice.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def watch_steps(inner: torch.optim.Optimizer, owner: object) -> list[int]:
+    """A one-element list counting ``inner``'s completed updates, kept by a post-step hook
+    moved to the front of ``inner``'s post hooks and removed when ``owner`` is freed. Global
+    post hooks (``register_optimizer_step_post_hook``) still run before it."""
+    steps = [0]
+
+    def count(*_: object) -> None:
+        steps[0] += 1
+
+    handle = inner.register_step_post_hook(count)
+    inner._optimizer_step_post_hooks.move_to_end(handle.id, last=False)  # type: ignore[attr-defined]
+    weakref.finalize(owner, handle.remove)
+    return steps
