@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,64 @@ def describe_key(key: Hashable) -> str:
         text = f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
         parts.append(f"{path[0]}: {text}" if path else text)
     return ", ".join(parts)
+
+
+def check_search(
+    api: str,
+    start: tuple[str, object],
+    tolerance: object = 0.0,
+    grow_after: object = None,
+    max_size: object = None,
+) -> None:
+    """Refuse nonsensical settings of the size search, naming ``api`` and the argument.
+
+    ``start`` is ``(name, value)``: ``("start", n)`` for :class:`MicroBatchSizer`,
+    ``("start_size", n)`` for the runner, where None (the whole batch) is allowed too.
+
+    Raises:
+        ValueError: the start is not an int >= 1 (or None where allowed); ``tolerance`` is not
+            a number in [0, 1); ``grow_after`` or ``max_size`` is not None or an int >= 1;
+            ``max_size`` is smaller than the start.
+    """
+    start_name, first = start
+    optional = start_name == "start_size"
+    if not positive_int(first) and not (optional and first is None):
+        raise ValueError(
+            f"{api}: {start_name}={first!r} is not an int >= 1; expected the first micro-batch "
+            f"size to try, in rows. Pass e.g. {start_name}=64"
+            + (", or None to start at the whole batch." if optional else ".")
+        )
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, numbers.Real)
+        or not 0 <= float(tolerance) < 1  # NaN fails both comparisons
+    ):
+        raise ValueError(
+            f"{api}: tolerance={tolerance!r} is not a number in [0, 1); expected the relative gap "
+            "at which the search stops bisecting. Pass e.g. tolerance=0.02 (within 2 %), or 0 "
+            "for the exact largest size."
+        )
+    _optional_size(
+        api,
+        "grow_after",
+        grow_after,
+        "clean micro-steps at a settled size before a larger size is probed (None: never)",
+    )
+    _optional_size(api, "max_size", max_size, "largest micro-batch to try, in rows (None: no cap)")
+    if positive_int(first) and positive_int(max_size) and max_size < first:
+        raise ValueError(
+            f"{api}: max_size={max_size!r} is smaller than {start_name}={first!r}; expected "
+            f"max_size >= {start_name} (no micro-batch is ever larger than max_size). Lower "
+            f"{start_name} or raise max_size."
+        )
+
+
+def _optional_size(api: str, name: str, value: object, meaning: str) -> None:
+    if value is not None and not positive_int(value):
+        raise ValueError(
+            f"{api}: {name}={value!r} is not an int >= 1 or None; expected the {meaning}. "
+            f"Pass a whole number >= 1, or None."
+        )
 
 
 class NoMicroBatchFits(RuntimeError):
@@ -94,10 +153,9 @@ class MicroBatchSizer:
     _brackets: dict[Hashable, _Bracket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not positive_int(self.start):
-            raise ValueError(f"MicroBatchSizer: start={self.start!r}; expected an int >= 1.")
-        if not (0 <= self.tolerance < 1):
-            raise ValueError(f"MicroBatchSizer: tolerance={self.tolerance!r}; expected 0 <= t < 1.")
+        check_search(
+            "MicroBatchSizer", ("start", self.start), self.tolerance, self.grow_after, self.max_size
+        )
 
     def propose(self, key: Hashable, available: int) -> int:
         """The size to try next for inputs of shape ``key`` with ``available`` rows left."""

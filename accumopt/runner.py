@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
-from accumopt._checks import positive_int
+from accumopt._checks import check_count, check_count_tensor, positive_int
+from accumopt._module_state import ModuleState
 from accumopt.accumulate import AccumulatingOptimizer
-from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, describe_key
+from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
 
@@ -37,14 +38,42 @@ class MicroBatchRunner:
     accumulation boundary. Under AMP the wrapper's ``scaler`` is used
     (``scaler.scale(loss)``, ``scaler.step``, ``scaler.update`` per micro-batch).
 
+    With ``micro_batch_size="auto"`` the number of micro-batches per batch changes as the search
+    moves, so build the wrapper with ``every_items=N`` (items per update): the effective batch
+    then stays N items whatever the micro-batch size (with ``every=k`` an update would cover k
+    micro-batches of whatever size they had). A micro-batch attempt that runs out of memory
+    leaves no trace: its gradient is dropped, and the buffers its forward pass updated
+    (BatchNorm running statistics and ``num_batches_tracked``, any registered buffer of the
+    model) and the random number generators it drew from (the CPU generator; the default CUDA
+    generator of each CUDA device the model, the parameters or ``device`` are on) are restored
+    from a snapshot taken before each attempt (see :mod:`accumopt._module_state`), so the run
+    equals one that used the final sizes from the start. Buffers need the model: ``model=``
+    here, else the wrapper's ``model=``; without either only gradients and generators are
+    restored.
+
+    Example:
+        >>> import torch
+        >>> from accumopt import Accumulate, MicroBatchRunner
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=32)
+        >>> def loss_fn(batch):  # the micro-batch's summed loss, and the items it covers
+        ...     x, y = batch
+        ...     return ((model(x) - y) ** 2).sum(), len(x)
+        >>> runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto", model=model)
+        >>> mean_loss = runner((torch.randn(32, 4), torch.randn(32, 1)))  # one update
+        >>> opt.updates, runner.ooms
+        (1, 0)
+
     Args:
         optimizer: the ``Accumulate`` wrapper to feed.
         loss_fn: called with each micro-batch (same nesting as the batch, tensors on
-            ``device``). Returns the micro-batch's loss (a scalar tensor), or ``(loss,
-            items)`` where ``items`` is the number of items the loss covers (e.g. tokens that
-            carry a loss; default: the micro-batch's rows), or ``(loss, items, outputs)``
-            with per-row ``outputs`` (a tensor or nesting of tensors, concatenated when
-            ``return_outputs=True``).
+            ``device``). Returns the micro-batch's loss (a one-element tensor that requires
+            grad), or ``(loss, items)`` where ``items`` is the number of items the loss covers
+            (e.g. tokens that carry a loss; default: the micro-batch's rows), a number >= 0 or
+            a one-element tensor, or ``(loss, items, outputs)`` with per-row ``outputs`` (a
+            tensor or nesting of tensors, concatenated when ``return_outputs=True``). A result
+            that breaks these rules is refused before the micro-batch's backward pass: the
+            wrapper counts nothing for it.
         micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
             ``start_size`` (default: the whole batch) and find the largest size that fits.
         device: where micro-batches run (None: leave tensors where they are). Host tensors
@@ -52,15 +81,25 @@ class MicroBatchRunner:
         loss_reduction: ``"sum"`` (default): ``loss`` is the sum over the micro-batch's
             items; ``"mean"``: ``loss`` is their mean (the runner multiplies it by ``items``).
             Either way each micro-batch is weighted by its item count, exactly.
-        model: optional; when given, warns once if it has BatchNorm layers in training mode
-            and the micro-batch is small (see :mod:`accumopt.batchnorm`).
-        start_size, tolerance, grow_after, max_size: the ``"auto"`` search, see
-            :class:`accumopt.autosize.MicroBatchSizer`.
+        model: the module ``loss_fn`` runs. With ``"auto"``, its buffers are restored after a
+            failed attempt (a clone of every buffer is taken before each attempt); it also
+            warns once if it has BatchNorm layers in training mode and the micro-batch is small
+            (see :mod:`accumopt.batchnorm`).
+        start_size: the first size tried, an int >= 1, or None (the whole batch).
+        tolerance: the search stops bisecting within this fraction of the size that fits,
+            0 <= tolerance < 1.
+        grow_after: clean micro-steps at a settled size before a 25 % larger size is probed,
+            an int >= 1, or None (never).
+        max_size: the largest size tried, an int >= ``start_size``, or None (no cap). The
+            last four: see :class:`accumopt.autosize.MicroBatchSizer`.
 
     Raises:
         TypeError: ``optimizer`` is not an ``AccumulatingOptimizer``.
         ValueError: ``micro_batch_size`` is neither a positive int nor ``"auto"``;
-            ``loss_reduction`` is not "sum"/"mean".
+            ``loss_reduction`` is not "sum"/"mean"; ``start_size``, ``tolerance``,
+            ``grow_after`` or ``max_size`` is out of the ranges above.
+        RuntimeError: ``"auto"`` with a wrapper that cannot drop a micro-step alone
+            (``buffer=False``, an FSDP2 model: :meth:`Accumulate.enable_rollback`).
     """
 
     def __init__(
@@ -93,11 +132,16 @@ class MicroBatchRunner:
                 f"MicroBatchRunner: loss_reduction={loss_reduction!r}; expected 'sum' (loss_fn "
                 "returns the summed loss) or 'mean' (it returns the mean over its items)."
             )
+        check_search(
+            "MicroBatchRunner", ("start_size", start_size), tolerance, grow_after, max_size
+        )
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = torch.device(device) if device is not None else None
         self.loss_reduction = loss_reduction
         self.model = model
+        # whose buffers a failed "auto" attempt restores: the runner's model, else the wrapper's
+        self._state_model = model if model is not None else optimizer.model
         self._fixed = None if auto else int(micro_batch_size)
         self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
         self._start = start_size
@@ -153,7 +197,17 @@ class MicroBatchRunner:
         Raises:
             NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory
                 (the message gives the device's memory figures).
-            ValueError: the batch is empty or its tensor leaves disagree on dim 0.
+            TypeError: ``loss_fn`` returned something other than a loss tensor, ``(loss,
+                items)`` or ``(loss, items, outputs)``, or a loss that is not a tensor.
+            ValueError: the batch is empty or its tensor leaves disagree on dim 0; ``loss_fn``
+                returned a loss that is not a one-element tensor requiring grad, bad ``items``
+                (not a finite number >= 0, nor a one-element tensor holding one), or outputs
+                nested unlike the first micro-batch's: refused before that micro-batch's
+                backward pass (the ones before it were trained, it and the rest were not).
+
+        Other errors of ``loss_fn`` or of the backward pass propagate unchanged. With
+        ``"auto"``, any error leaves the buffers and generators as they were before the
+        micro-batch that raised it.
         """
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         n = rows_of.rows
@@ -168,12 +222,15 @@ class MicroBatchRunner:
         while offset < n:
             size = self._propose(key, n - offset)
             failure = None
+            state = self._snapshot()  # None with a fixed size: nothing is ever retried
             try:
                 piece = rows_of(offset, offset + size)
                 first = outputs[0] if return_outputs and outputs else None
                 loss, items, out = self._forward_backward(piece, size, first)
             except Exception as err:  # re-raised below unless it is an OOM we handle
-                if self.sizer is None or not is_oom(err):
+                if state is None or not is_oom(err):
+                    if state is not None:
+                        state.restore()
                     raise
                 failure = f"{type(err).__name__}: {err}"
             if self._ranks is not None:  # all ranks back off together, or none does
@@ -184,7 +241,8 @@ class MicroBatchRunner:
                     self.optimizer._commit_deferred()
             if failure is not None:  # outside the except block: the traceback is gone
                 piece = None
-                self._recover(key, size, failure)
+                assert state is not None  # only "auto" retries, and it always takes a snapshot
+                self._recover(key, size, failure, state)
                 continue
             if self.sizer is not None:
                 self.sizer.succeeded(key, size)
@@ -225,8 +283,7 @@ class MicroBatchRunner:
             raise ValueError(  # before the backward pass: this micro-batch is not counted
                 "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
                 "micro-batch's (other keys or leaves); expected one structure for every "
-                "micro-batch with return_outputs=True. The micro-batches before this one were "
-                "trained; this one and the rest of the batch were not."
+                f"micro-batch with return_outputs=True. {_NOT_TRAINED}"
             )
         if self.loss_reduction == "mean":
             if items == 0:
@@ -250,9 +307,18 @@ class MicroBatchRunner:
             self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def _recover(self, key: Hashable, size: int, failure: str) -> None:
-        """Roll back the failed micro-batch alone, free memory, shrink the next attempt."""
+    def _snapshot(self) -> ModuleState | None:
+        """With ``"auto"``, what the coming attempt may change outside the gradients."""
+        if self._fixed is not None:
+            return None
+        params = (p for g in self.optimizer.param_groups for p in g["params"])  # lazy: CUDA only
+        return ModuleState(self._state_model, params, self.device)
+
+    def _recover(self, key: Hashable, size: int, failure: str, state: ModuleState) -> None:
+        """Roll back the failed micro-batch alone (its gradient, the buffers its forward pass
+        updated, the random numbers it drew), free memory, shrink the next attempt."""
         self.optimizer.drop_micro_step()
+        state.restore()
         free_memory()
         assert self.sizer is not None
         try:
@@ -263,15 +329,63 @@ class MicroBatchRunner:
             ) from None
 
 
+_NOT_TRAINED = (
+    "The micro-batches before this one were trained; this one and the rest of the batch were not."
+)
+
+
 def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
-    """Split ``loss_fn``'s result into (loss, items, outputs)."""
-    if isinstance(result, Tensor):
-        return result, float(rows), None
-    if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], Tensor):
-        items = result[1]
-        count = float(items.item()) if isinstance(items, Tensor) else float(items)
-        return result[0], count, (result[2] if len(result) == 3 else None)
-    raise TypeError(
-        f"MicroBatchRunner: loss_fn returned {type(result).__qualname__}; expected a scalar "
-        "loss tensor, (loss, items) or (loss, items, outputs)."
-    )
+    """Split ``loss_fn``'s result into (loss, items, outputs), refusing what cannot be counted."""
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        loss, items = result[0], _items(result[1])
+        out = result[2] if len(result) == 3 else None
+    elif isinstance(result, Tensor):
+        loss, items, out = result, float(rows), None
+    else:
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned a {type(result).__qualname__}; expected a loss "
+            "tensor, (loss, items) or (loss, items, outputs). Return the micro-batch's loss "
+            f"first. {_NOT_TRAINED}"
+        )
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a "
+            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad. "
+            f"Return the loss tensor itself, not loss.item(). {_NOT_TRAINED}"
+        )
+    if loss.numel() != 1 or not loss.requires_grad:
+        wrong = (
+            f"of shape {tuple(loss.shape)}"
+            if loss.numel() != 1
+            else "that does not require grad (computed under torch.no_grad() or detached)"
+        )
+        raise ValueError(
+            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a tensor {wrong}; expected "
+            "a one-element tensor that requires grad: the micro-batch's summed loss (its mean "
+            "with loss_reduction='mean'). Reduce it with .sum() and keep autograd on. "
+            + _NOT_TRAINED
+        )
+    return loss, items, out
+
+
+def _items(items: object) -> float:
+    """``loss_fn``'s item count as a float, or ValueError (read once: one host sync)."""
+    what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
+    try:
+        if not isinstance(items, Tensor):
+            return check_count(items, what, covers, ", which")
+        check_count_tensor(items, f"{what}={_brief(items)}, which")
+        return check_count(items.item(), what, covers, f" (read from {_brief(items)}), which")
+    except ValueError as err:
+        raise ValueError(
+            f"{err} Return (loss, items) with items a Python number or a one-element tensor "
+            f"(e.g. mask.sum()). {_NOT_TRAINED}"
+        ) from None
+
+
+def _brief(value: object) -> str:
+    """``repr(value)`` for an error message: a large tensor by its shape, long text cut."""
+    if isinstance(value, Tensor) and value.numel() > 4:
+        return f"<{value.dtype} tensor of shape {tuple(value.shape)}>"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
