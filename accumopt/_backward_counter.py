@@ -87,7 +87,7 @@ class BackwardCounter:
         owner_ref = weakref.ref(on_end.__self__)  # type: ignore[attr-defined]
         function = on_end.__func__  # type: ignore[attr-defined]
         armed = [True]  # no callback queued for the running pass
-        compiled = [False]  # whether the last pass that began ran under compiled autograd
+        compiled = [""]  # why counting paused: "compiled" (autograd), "thread", "" (a failure)
         queue = Variable._execution_engine.queue_callback
         modules = sys.modules
         confirm = module is not None and confirm_accumulation
@@ -113,7 +113,8 @@ class BackwardCounter:
         def hook(_: object) -> None:
             if armed[0]:
                 armed[0] = False
-                compiled[0] = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
+                on = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
+                compiled[0] = "compiled" if on else ""
                 if accumulators is None or accumulators.any_will_run():
                     queue(fire)
                 else:  # a pass that accumulates nothing (torch.autograd.grad) runs no end()
@@ -126,7 +127,8 @@ class BackwardCounter:
             def on_grad(_: Tensor) -> None:
                 if armed[0]:
                     armed[0] = False
-                    compiled[0] = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
+                    on = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
+                    compiled[0] = "compiled" if on else ""
                     if _will_accumulate(param()):
                         queue(fire)
                     else:  # torch.autograd.grad(loss, params) accumulates nothing
@@ -211,10 +213,15 @@ class BackwardCounter:
         return not self._armed[0]
 
     @property
-    def paused_by_compiled_autograd(self) -> bool:
-        """Whether the pass that paused counting ran under compiled autograd, whose graphs run
-        no engine callbacks (so its end is never seen): not a failure but unsupported."""
-        return self.paused and self._compiled[0]
+    def paused_reason(self) -> str:
+        """Why counting is paused: ``"compiled"`` (the pass ran under compiled autograd, whose
+        graphs run no engine callbacks: unsupported), ``"thread"`` (:meth:`pause` for a second
+        thread) or ``""`` (a pass died part-way)."""
+        return self._compiled[0] if self.paused else ""
+
+    def pause(self, reason: str) -> None:
+        """Pause counting on purpose (``reason`` as :attr:`paused_reason`) until :meth:`rearm`."""
+        self._armed[0], self._compiled[0] = False, reason
 
     def rearm(self) -> None:
         """Count the next backward pass again after one that died before its end (its partial

@@ -1,4 +1,5 @@
-"""The inner optimizer's real steps, as a post-step hook sees them.
+"""The optimizer step hooks accumopt relies on: the inner optimizer's real steps, as a
+post-step hook sees them, and whether step hooks exist at all.
 
 torch runs an optimizer's post-step hooks after its update: when ``inner.step()`` raises, a
 count taken by a hook that runs first tells whether the update was applied (a later hook
@@ -10,6 +11,18 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+
+def any_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether step hooks would run around ``opt.step()`` (its own, or global ones): then the
+    wrapper's step goes through torch's hook-running wrapper."""
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+    )
 
 
 def watch_steps(inner: torch.optim.Optimizer, owner: object) -> list[int]:

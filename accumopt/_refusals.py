@@ -57,10 +57,18 @@ def check_rollback(buffer: bool | None, fsdp: bool) -> None:
         )
 
 
-def paused_message(api: str, compiled_autograd: bool = False) -> str:
-    """Why ``api`` refuses to go on after a backward pass that died part-way (or that ran
-    under compiled autograd, which accumopt cannot count)."""
-    if compiled_autograd:
+def paused_message(api: str, reason: str = "") -> str:
+    """Why ``api`` refuses to go on after a backward pass that died part-way (``reason`` ""),
+    ran under compiled autograd (``"compiled"``), or a second thread drove the wrapper."""
+    if reason == "thread":
+        return (
+            f"Accumulate.{api}: step() was called from a second thread; one wrapper counts the "
+            "backward passes of one thread (passes of two threads at once are miscounted), "
+            "so it now refuses on every thread; expected one Accumulate per training thread. "
+            "The window may hold the other thread's gradients: call opt.discard(), then drive "
+            "the wrapper from the thread that first stepped it only. Nothing was changed."
+        )
+    if reason == "compiled":
         return (
             f"Accumulate.{api}: the last backward pass ran under compiled autograd "
             "(torch._dynamo.compiled_autograd), which runs no autograd engine callbacks, so "
@@ -125,8 +133,7 @@ def step_refusal(closure: object, amp: bool, scaled: bool, opt: _StepState) -> E
             "backward() and step() once per micro-batch."
         )
     if opt._counter.paused:
-        compiled = opt._counter.paused_by_compiled_autograd
-        return RuntimeError(paused_message("step", compiled))
+        return RuntimeError(paused_message("step", opt._counter.paused_reason))
     if amp and opt.scaler is None:
         return RuntimeError(
             "Accumulate.step: called through GradScaler.step, but the wrapper was built "

@@ -13,25 +13,21 @@ The torch.optim facade. It composes the parts that decide, and decides nothing t
 
 from __future__ import annotations
 
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from accumopt import _checkpoint, _checks, _refusals, noise
 from accumopt._backward_counter import BackwardCounter
 from accumopt._grads import params_of
-from accumopt._inner import watch_steps
+from accumopt._inner import any_step_hooks, watch_steps
 from accumopt._window import SizeFn, Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.distributed import GradSync, is_distributed, sync_for
 
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
-
-
-def _global_hooks() -> bool:
-    return bool(_global_optimizer_pre_hooks or _global_optimizer_post_hooks)
 
 
 class AccumulatingOptimizer(torch.optim.Optimizer):
@@ -126,6 +122,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         if isinstance(self._sync, GradSync):
             self._sync.check_fsdp(every, self.scaler, buffer_all)
         self._drop_at_step = False  # a non-finite micro-batch, kept until GradScaler saw it
+        self._thread: int | None = None  # the thread that steps the wrapper (the first one)
         self._defer, self._deferred = False, None  # the runner's deferred counting
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
         fsdp = self._sync.fsdp
@@ -176,8 +173,7 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
-            compiled = self._counter.paused_by_compiled_autograd
-            raise RuntimeError(_refusals.paused_message(api, compiled))
+            raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner)."""
@@ -254,12 +250,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
                 part-way (see :meth:`discard`); a ``GradScaler`` step without ``scaler=``, or
                 a boundary with ``scaler=`` but not through ``scaler.step``.
         """
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_hooks():
+        if any_step_hooks(self):
             return self._profiled_step(closure)
         window = self._window
         amp = "found_inf" in self.__dict__
         slow = window.closed or window.stepped or self._drop_at_step or closure is not None
-        if slow or amp or self._counter.paused:
+        if slow or amp or self._counter.paused or self._thread != get_ident():
             return self._step(closure)
         window.stepped, self.did_update = True, False  # a plain micro-step inside the window
         return None
@@ -268,6 +264,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: None = None) -> None:
+        if self._thread is None:
+            self._thread = get_ident()
+        elif self._thread != get_ident():  # a second thread: refused there and everywhere
+            self._counter.pause("thread")
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
         scaled = self._buffer.loss_scale() is not None
         problem = _refusals.step_refusal(closure, amp, scaled, self)

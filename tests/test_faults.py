@@ -234,3 +234,32 @@ def test_a_tampered_checkpoint_window_is_refused_and_changes_nothing(
         opt.load_state_dict(state)
     assert opt.micro_step == 1 and opt.items == 2.0
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+
+
+def test_a_second_thread_stepping_the_wrapper_is_refused_on_every_thread() -> None:
+    import threading
+
+    model = _mlp(7)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    model(x).sum().backward()
+    acc.step()  # the main thread drives the wrapper
+    caught: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            model(x).sum().backward()
+            acc.step()
+        except RuntimeError as err:
+            caught.append(err)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert caught and "second thread" in str(caught[0])
+    with pytest.raises(RuntimeError, match="second thread"):  # the main thread is told too
+        acc.backward(model(x).sum())
+    acc.discard()
+    model(x).sum().backward()
+    acc.step()
+    assert acc.micro_step == 1
