@@ -136,6 +136,21 @@ class WindowBuffer:
         elif grad_scale is not None:
             _grads.div_(_grads.grads_of(params), grad_scale)
 
+    def inf_flag(self, opt: object, found_inf: Tensor | int) -> Tensor:
+        """The micro-step's inf/NaN flag as ``GradScaler.step`` hands it. A micro-step that
+        reached no wrapped gradient has none (the scaler hands ``0``): a zero flag is recorded
+        in the scaler too, or ``scaler.update()`` would refuse ("No inf checks were recorded")
+        while the same loop without AMP counts the micro-step with a zero gradient."""
+        if isinstance(found_inf, Tensor):
+            return found_inf
+        assert self.scaler is not None
+        scale = self.scaler._get_scale_async()
+        assert scale is not None  # GradScaler.step ran: the scale exists
+        zero = torch.zeros((), dtype=torch.float32, device=scale.device)
+        states = self.scaler._per_optimizer_states[id(opt)]
+        states["found_inf_per_device"][scale.device] = zero
+        return zero
+
     def note_found_inf(self, found_inf: Tensor) -> None:
         """Remember a micro-step's inf/NaN flag (0-dim tensor, no host sync)."""
         self.found_inf = found_inf if self.found_inf is None else self.found_inf + found_inf

@@ -284,7 +284,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             return None
         params = params_of(self.param_groups)
         if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
-            found = self._sync.agreed_found_inf(self.scaler, self, self.__dict__["found_inf"])
+            found = self._buffer.inf_flag(self, self.__dict__["found_inf"])
+            found = self._sync.agreed_found_inf(self.scaler, self, found)
             self._buffer.scaler_step(params, grad_scale, found, closed)
         if closed:
             self._finish_window(params)
@@ -311,12 +312,11 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self._reset_window()
 
     def flush(self) -> bool:
-        """Apply the open, partial window now (epoch end): the mean over what was accumulated,
-        then clear the gradients. Returns whether an update was applied (:attr:`did_update`);
-        does nothing without a pending micro-step. Raises RuntimeError after a backward pass
-        that failed part-way (see :meth:`discard`), changing nothing."""
+        """Apply the open, partial window now (epoch end), then clear the gradients; returns
+        whether it updated (:attr:`did_update`). RuntimeError after a failed pass (discard())."""
         self._check_not_paused("flush")
         self.did_update = False
+        self._sync.release(self._window, flushing=True)  # all ranks flush; DDP syncs again
         if self._window.micro_step == 0:
             return False
         params = params_of(self.param_groups)
@@ -329,10 +329,10 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         return self.did_update
 
     def discard(self) -> None:
-        """Drop the open window (gradients and counters; the inner optimizer is untouched).
-        The way out after a backward pass that failed part-way (also :meth:`drop_micro_step`).
-        """
+        """Drop the open window (gradients and counters; the inner optimizer is untouched): the
+        way out after a backward pass that failed part-way (also :meth:`drop_micro_step`)."""
         self._restart(clear_grads=True)
+        self._sync.release(self._window)
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:

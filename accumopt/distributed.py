@@ -3,22 +3,29 @@
 This is the only module of accumopt that uses ``torch.distributed`` (the ``testing`` helpers
 that start gloo ranks aside).
 
-With a ``DistributedDataParallel`` model, the micro-steps inside a window run without
-gradient synchronisation (DDP's ``require_backward_grad_sync`` flag, what ``no_sync()`` sets),
-and the micro-step that closes the window synchronises as usual, overlapped with its backward
-pass: one all-reduce per real optimizer step. Where the boundary cannot be known before the
-forward pass (a window in items) or finished micro-steps live in the window buffer (not in
-``.grad`` where DDP's reducer looks), every micro-step runs unsynchronised and the closing one
-issues one flattened ``all_reduce`` of the window's gradient itself. Item counts are summed
-across ranks with ``all_reduce`` (once per update for a window in micro-steps, once per
-micro-step for a window in items, whose end depends on the total), so an item-weighted window
-is the mean over the items of all ranks together (DDP alone averages per-rank means).
+DDP: micro-steps inside a window run without gradient sync (``require_backward_grad_sync``,
+what ``no_sync()`` sets); the closing one syncs, overlapped with its backward: one all-reduce
+per update. A window in items, or finished micro-steps in the window buffer (not in ``.grad``,
+where DDP's reducer looks): accumopt all-reduces the window's gradient once at the boundary.
+Items are summed over the ranks (weighted windows are the mean over all ranks' items). FSDP2
+likewise via ``set_requires_gradient_sync``; ``reduce_every_micro_step=True`` syncs every one.
 
-FSDP2 (``fully_shard``) works the same way through ``set_requires_gradient_sync``: inside a
-window gradients stay unsharded (full size, the memory cost users trade for less
-communication), and the closing micro-step reduce-scatters them. With
-``reduce_every_micro_step=True`` every micro-step reduce-scatters instead and only the sharded
-sum is held: k times the communication, a 1/world-size share of the gradient memory.
+Agreement: each per-rank decision that changes the window is agreed before it takes effect,
+on accumopt's own gloo group (never paired with DDP's buckets, FSDP2's reduce-scatters or a
+gradient sum: a size mismatch aborts gloo; the model's group if that is not the world), by an
+all-gather of 3 float64 per rank: data and *position* (what, at which micro-step). Ranks at
+different positions (micro-step counts, ``flush()`` on some ranks or with different pending
+micro-steps) raise one RuntimeError on every rank before the window is applied; a rank that
+never arrives, the group's timeout. Cost per update: one small collective (weighted in
+micro-steps: the item sum carries the check; unweighted: one check, run at the forward of a
+closing micro-step DDP/FSDP2 syncs, before its buckets; in items: the per-micro-step sums,
+plus one at ``flush()``); ``scaler.step``: one per micro-step (the inf/NaN flag, a host sync).
+With ``reduce_every_micro_step=True`` a rank flushing alone meets the timeout.
+
+The module's own sync setting (read when the wrapper is built; FSDP2's taken as on) comes back
+at :meth:`GradSync.release` (``flush()``, ``discard()``) and when the wrapper is dropped
+(``weakref.finalize``, no reference cycle); the next window's first micro-step is then synced
+by DDP/FSDP2 itself (one extra sync per release, exact: sums commute).
 
 ``torch.distributed.fsdp`` is imported only when a model could be an FSDP2 module (that is,
 when the user's program imported it already): importing accumopt stays cheap.
@@ -27,6 +34,7 @@ when the user's program imported it already): importing accumopt stays cheap.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -52,28 +60,74 @@ def is_distributed(module: nn.Module | None) -> bool:
     return isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module)
 
 
+# Positions in the window, stamped on every small collective (see the module docstring)
+_ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _FAILED, _ROWS = range(7)
+_WHERE = (
+    "counting micro-step {m} of a window in items",
+    "closing a window at micro-step {m}",
+    "flush() with {m} micro-step(s) pending",
+    "at the forward of the micro-step after {m}, which closes the window",
+    "scaler.step after micro-step {m}",
+    "agreeing on a micro-batch's out-of-memory failure",
+    "checking the rows of the runner's batch",
+)
+_SIDE: dict[tuple[int, ...], tuple[object, Any]] = {}  # ranks -> (world group, agreement group)
+
+
+def _agreement_group(group: Any) -> Any:
+    """accumopt's own gloo group over ``group``'s ranks (cached), or ``group`` itself where it
+    is not the whole world (creating a group is a collective of every process)."""
+    world = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
+    if len(ranks) != dist.get_world_size():
+        return group
+    cached = _SIDE.get(ranks)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    try:  # the world's timeout (private API)
+        timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        timeout = None
+    side = dist.new_group(backend="gloo", timeout=timeout)
+    _SIDE[ranks] = (world, side)
+    return side
+
+
+def _restore(module: nn.Module, fsdp: bool, own: bool, hook: Any) -> None:
+    """Give ``module`` its own sync setting back; remove accumopt's forward pre-hook."""
+    hook.remove()
+    if fsdp:
+        module.set_requires_gradient_sync(own)  # type: ignore[operator]
+    else:
+        setattr(module, "require_backward_grad_sync", own)  # noqa: B010
+
+
+def _before_forward(ref: weakref.ref[GradSync]) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        sync = ref()  # a weak reference: the module must not keep a dropped wrapper's sync
+        None if sync is None else sync.before_forward()
+
+    return hook
+
+
 class LocalSync:
     """The single-process stand-in for :class:`GradSync`: one rank, no collective."""
 
     fsdp = False
     world_size = 1
 
-    def plan_next(self, window: Window, buffer: WindowBuffer, param_groups: Any) -> None:
-        """Nothing to synchronise."""
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to synchronise, sum, give back or adjust in one process."""
+
+    plan_next = settle_items = release = restored = _nothing
 
     def counted(self, items: float | None, window: Window) -> float | None:
         """The item count of a micro-step is this process's own."""
         return items
 
-    def settle_items(self, window: Window) -> None:
-        """Nothing to sum."""
-
     def agreed_found_inf(self, scaler: object, opt: object, found_inf: Tensor) -> Tensor:
         """One process: its own inf/NaN flag."""
         return found_inf
-
-    def restored(self, window: Window, items_global: bool) -> None:
-        """Nothing to adjust after loading a window."""
 
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         """Form the window's gradient in ``.grad``."""
@@ -94,16 +148,16 @@ class GradSync:
     """A DDP or FSDP2 model's gradient synchronisation, and every collective accumopt issues.
 
     Args:
-        module: a ``torch.nn.parallel.DistributedDataParallel`` model, or a model sharded
-            with ``torch.distributed.fsdp.fully_shard`` (FSDP2; its root module).
-        device: where the small collectives' tensors live (the wrapped parameters' device).
+        module: a DDP model, or the root of a ``fully_shard``-ed (FSDP2) model.
+        device: where the gradient collectives' tensors live (the wrapped parameters' device).
         reduce_every_micro_step: synchronise every micro-step, not only the closing one.
 
     Attributes:
-        fsdp (bool): whether ``module`` is an FSDP2 module (its gradients are sharded: the
-            window's gradient can only be reduced by FSDP2's own reduce-scatter).
+        fsdp (bool): ``module`` is FSDP2 (sharded gradients: only its reduce-scatter combines).
         world_size (int): ranks in the process group.
-        all_reduces (int): collectives issued by accumopt itself (not by DDP or FSDP2).
+        all_reduces (int): accumopt's own collectives that carry data (item sums, gradient
+            sums, inf/NaN flags, the runner's agreements); not DDP's or FSDP2's.
+        checks (int): small collectives that only check that the ranks agree on the window.
         synced (bool): whether DDP/FSDP2 synchronised the last counted backward pass.
 
     Raises:
@@ -116,10 +170,8 @@ class GradSync:
         self.fsdp = _is_fsdp(module)
         if not is_distributed(module):
             raise TypeError(
-                f"Accumulate: model is a {type(module).__qualname__}; expected the "
-                "torch.nn.parallel.DistributedDataParallel model (or the fully_shard-ed FSDP2 "
-                "root module) whose parameters the inner optimizer holds; no model= in a "
-                "single process."
+                f"Accumulate: model is a {type(module).__qualname__}; expected the DDP model (or "
+                "the fully_shard-ed FSDP2 root) whose parameters the inner optimizer holds."
             )
         self.module = module
         self.device = device
@@ -128,9 +180,18 @@ class GradSync:
             None if self.fsdp else module.process_group  # type: ignore[assignment]
         )
         self.world_size = dist.get_world_size(self.group)
-        self.all_reduces = 0
+        self.side = _agreement_group(self.group)
+        self.all_reduces = self.checks = 0
         self.synced = False
-        self._enabled = True
+        self._enabled = True  # FSDP2's default (it has no public getter)
+        own = self._own = self._enabled if self.fsdp else bool(module.require_backward_grad_sync)
+        self._released = False  # the module's own setting is in force until a micro-step
+        self._window: Window | None = None
+        self._closing_planned = self._checked_before = self._closing_checked = False
+        hook = module.register_forward_pre_hook(_before_forward(weakref.ref(self)), prepend=True)
+        # restores the setting when the wrapper (its only owner) is dropped; no reference to self
+        self._finalizer = weakref.finalize(self, _restore, module, self.fsdp, own, hook)
+        self._finalizer.atexit = False
 
     def check_fsdp(self, every: object, scaler: object, buffer_all: bool) -> None:
         """FSDP2 gradients are sharded: only FSDP2's own reduce-scatter can combine them."""
@@ -150,8 +211,6 @@ class GradSync:
                 "every=N (or reduce_every_micro_step=True), no scaler and buffer=None."
             )
 
-    # ------------------------------------------------------------------ sync on/off
-
     @property
     def enabled(self) -> bool:
         """Whether the next (or the running) backward pass synchronises gradients."""
@@ -160,8 +219,7 @@ class GradSync:
         return bool(self.module.require_backward_grad_sync)
 
     def set_sync(self, enabled: bool) -> None:
-        """Let (True) or stop (False) DDP's all-reduce / FSDP2's reduce-scatter in the next
-        backward pass (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``)."""
+        """Let (True) or stop (False) the next backward pass's gradient sync."""
         if self.fsdp:
             if enabled != self._enabled:
                 self.module.set_requires_gradient_sync(enabled)  # type: ignore[operator]
@@ -172,69 +230,112 @@ class GradSync:
     def plan_next(
         self, window: Window, buffer: WindowBuffer, param_groups: list[dict[str, Any]]
     ) -> None:
-        """Let DDP/FSDP2 synchronise the next backward pass only if it closes the window and
-        every finished micro-step lives in ``.grad``, where their reducer looks; otherwise
-        accumopt reduces the window itself at the boundary."""
-        if self.reduce_every_micro_step:
+        """Sync the next backward pass only if it closes the window and every finished
+        micro-step is in ``.grad`` (else accumopt reduces the window); after :meth:`release`,
+        an empty window keeps the module's own setting."""
+        self._window = window
+        self._checked_before = self._checked_before and window.micro_step > 0
+        self._released = self._released and window.micro_step == 0 and not window.closed
+        self._closing_planned = False
+        if self._released:
+            self.set_sync(self._own)
+        elif self.reduce_every_micro_step:
             self.set_sync(True)
         else:
             grad_only = buffer.grad_only(_grads.params_of(param_groups))
-            self.set_sync(grad_only and window.next_closes())
+            self._closing_planned = grad_only and window.next_closes()
+            self.set_sync(self._closing_planned)
+
+    def before_forward(self) -> None:
+        """A forward pass that DDP/FSDP2 will sync as the closing micro-step: agree first."""
+        window = self._window
+        if window is None or not self._closing_planned or self._checked_before:
+            return
+        if torch.is_grad_enabled() and not window.closed:
+            self._checked_before = True
+            self._agree(_BEFORE_CLOSE, window.micro_step, check_only=True)
+
+    def release(self, window: Window, flushing: bool = False) -> None:
+        """``flush()``/``discard()``: the module's own sync setting until the next micro-step
+        (a ``flush()`` of an empty window checks that every rank's is empty)."""
+        if flushing and window.micro_step == 0:
+            self._agree(_FLUSH, 0, check_only=True)
+        self._released, self._closing_planned = True, False
+        self.set_sync(self._own)
 
     def counted(self, items: float | None, window: Window) -> float | None:
-        """A micro-step was counted: remember whether it was synchronised. Return its item
-        count summed over the ranks (one small all-reduce) where the window is counted in
-        items (its end depends on the total); else this rank's own, summed once at the
-        boundary by :meth:`settle_items`."""
+        """A micro-step was counted (remember if it was synced): its items over the ranks for
+        a window in items (one small collective), else this rank's own (see settle_items)."""
         self.synced = self.enabled
+        self._released = False
+        self._closing_checked = self._checked_before and self._closing_planned
+        self._checked_before = False
         if items is None or window.every is not None:
             return items
-        return self.sum(items)
+        return self._agree(_ITEMS, window.micro_step + 1, items)[0]
 
     def restored(self, window: Window, items_global: bool) -> None:
-        """A window was loaded from a checkpoint: no pass of it was synchronised by DDP (unless
-        every micro-step is), and an item count saved already summed over the ranks (formats
-        1-2) is kept by rank 0 alone, so the boundary's sum gives it back exactly."""
+        """A window was loaded: none of its passes was synced (unless all are); items saved
+        summed over the ranks (formats 1-2) are kept by rank 0 alone, for the boundary's sum."""
         self.synced = self.reduce_every_micro_step
+        self._released = self._checked_before = self._closing_checked = False
         in_steps = window.weighted and window.every is not None
         if items_global and in_steps and dist.get_rank(self.group) != 0:
             window.items = 0.0
 
-    def agreed_found_inf(self, scaler: object, opt: object, found_inf: Tensor) -> Tensor:
-        """Under ``scaler.step(opt)``: make every rank see an inf/NaN that any rank saw (one
-        small all-reduce), in the scaler's own record too, so that all ranks skip the same
-        windows and ``scaler.update()`` keeps one loss scale on every rank."""
+    def agreed_found_inf(self, scaler: object, opt: Any, found_inf: Tensor) -> Tensor:
+        """Under ``scaler.step(opt)``: an inf/NaN seen by any rank, on every rank and in the
+        scaler's record (one small collective): the same windows skipped, one loss scale."""
         states = scaler._per_optimizer_states  # type: ignore[attr-defined]
         flags: list[Tensor] = list(states[id(opt)]["found_inf_per_device"].values())
+        own = sum(float(f.item()) for f in flags) if flags else float(found_inf.item())
+        found = self._agree(_FOUND_INF, opt._window.micro_step, own)[0] > 0
         for flag in flags:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            self.all_reduces += 1
-        agreed = found_inf.new_zeros(())
-        for flag in flags:
-            agreed += flag.to(found_inf.device)
-        return agreed if flags else found_inf
+            flag.fill_(float(found))
+        return found_inf.new_full((), float(found))
 
     def settle_items(self, window: Window) -> None:
-        """At the boundary of a weighted window counted in micro-steps: sum its items over the
-        ranks (one small all-reduce per update instead of one per micro-step)."""
+        """At the boundary or a ``flush()``: check that every rank closes at this micro-step
+        (summing a weighted window's items in the same collective); not where agreed already
+        (a window in items that filled up, a closing micro-step checked at its forward)."""
+        full, checked = window.full(), self._closing_checked
+        self._closing_checked = False
+        where = _CLOSE if full else _FLUSH
         if window.weighted and window.every is not None:
-            window.items = self.sum(window.items)
+            window.items = self._agree(where, window.micro_step, window.items)[0]
+        elif not full or not (window.every is None or checked):
+            self._agree(where, window.micro_step, check_only=True)
 
-    # ------------------------------------------------------------------ collectives
-
-    def sum(self, value: float) -> float:
-        """The sum of ``value`` over all ranks (one small all-reduce, one host sync)."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.group)
-        self.all_reduces += 1
-        return float(t.item())
-
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        """For each flag, whether it is True on any rank (one all-reduce)."""
-        t = torch.tensor(flags, dtype=torch.float32, device=self.device)
-        dist.all_reduce(t, group=self.group)
-        self.all_reduces += 1
-        return [bool(v > 0) for v in t.tolist()]
+    def _agree(
+        self, where: int, micro_step: int, a: float = 0.0, b: float = 0.0, check_only: bool = False
+    ) -> tuple[float, float]:
+        """Sum ``(a, b)`` over the ranks in rank order (one all-gather of 3 float64 per rank);
+        RuntimeError on every rank unless all are at this position, or after a timeout."""
+        code = float(micro_step * len(_WHERE) + where)
+        mine = torch.tensor([a, b, code], dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(parts, mine, group=self.side)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"Accumulate: this rank was {_describe(code)}; not every rank joined in time "
+                f"({str(err)[:200]}); expected the same micro-steps per window on every rank "
+                "and flush() on every rank together."
+            ) from err
+        if check_only:
+            self.checks += 1
+        else:
+            self.all_reduces += 1
+        rows = [p.tolist() for p in parts]
+        if any(r[2] != code for r in rows):
+            seen = "; ".join(f"rank {i}: {_describe(r[2])}" for i, r in enumerate(rows))
+            raise RuntimeError(
+                f"Accumulate: the ranks are at different points of the accumulation window "
+                f"({seen}); expected every rank to run the same number of micro-steps per window "
+                "and to call flush() on every rank together. Nothing of this window was applied; "
+                "call opt.discard() on every rank (or stop)."
+            )
+        return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         """Form the window's gradient over all ranks in ``.grad`` (``divisor``: what the sum
@@ -244,12 +345,14 @@ class GradSync:
             return
         buffer.close(params, None)  # one all-reduce of the whole window's gradient
         trainable = [p for p in params if p.requires_grad]
-        used = self.any_rank([p.grad is not None for p in trainable])
+        used = torch.tensor([float(p.grad is not None) for p in trainable], device=self.device)
+        dist.all_reduce(used, group=self.group)  # > 0: used on some rank
+        self.all_reduces += 1
         for p in trainable:
             if p.grad is None:  # every rank must reduce the same tensors
                 p.grad = torch.zeros_like(p)
         self.sum_grads([p.grad for p in trainable])  # type: ignore[misc]
-        for p, anywhere in zip(trainable, used):
+        for p, anywhere in zip(trainable, used.tolist()):
             if not anywhere:  # unused on every rank: no gradient, as in one process
                 p.grad = None
         if divisor is not None and divisor != 1:
@@ -275,20 +378,22 @@ class GradSync:
             for g, reduced in zip(tensors, pieces):
                 g.copy_(reduced)
 
-    # ------------------------------------------------------------------ the runner's agreements
-
     def failed_ranks(self, failed: bool) -> float:
         """How many ranks report a failed micro-batch (one all-reduce): all ranks then drop
         or all count it, so nobody waits in a collective another rank never reaches."""
-        return self.sum(float(failed))
+        return self._agree(_FAILED, 0, float(failed))[0]
 
     def check_same_rows(self, rows: int, api: str) -> None:
-        """Refuse batches whose row counts differ across ranks (two small all-reduces): the
+        """Refuse batches whose row counts differ across ranks (one small collective): the
         ranks must cut them the same way, or their collectives would not pair up."""
-        total, squares = self.sum(float(rows)), self.sum(float(rows * rows))
+        total, squares = self._agree(_ROWS, 0, float(rows), float(rows * rows))
         if squares * self.world_size != total * total:  # equal on every rank
             raise ValueError(
                 f"{api}: this rank's batch has {rows} rows, the ranks' batches {total:g} "
                 "together; expected the same number of rows on every rank with "
                 "micro_batch_size='auto' under torch.distributed (all ranks back off together)."
             )
+
+
+def _describe(code: float) -> str:
+    return _WHERE[int(code) % len(_WHERE)].format(m=int(code) // len(_WHERE))

@@ -263,3 +263,27 @@ def test_a_second_thread_stepping_the_wrapper_is_refused_on_every_thread() -> No
     model(x).sum().backward()
     acc.step()
     assert acc.micro_step == 1
+
+
+def test_with_amp_a_micro_step_that_reaches_no_wrapped_parameter_counts_with_zero_gradient() -> (
+    None
+):
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    other = nn.Linear(3, 1).double()  # not wrapped
+    results = []
+    for amp in (False, True):
+        model = _mlp(8)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if amp else None
+        acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, scaler=scaler)
+        for loss in (other(x).sum(), ((model(x) - y) ** 2).sum()):
+            acc.backward(loss if scaler is None else scaler.scale(loss), items=4)
+            if scaler is None:
+                acc.step()
+            else:
+                scaler.step(acc)
+                scaler.update()
+            acc.zero_grad()
+        assert acc.updates == 1
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
