@@ -120,16 +120,18 @@ class BackwardCounter:
                 else:  # a pass that accumulates nothing (torch.autograd.grad) runs no end()
                     armed[0] = True
 
-        def param_hook(param: weakref.ref[Tensor]) -> Callable[[Tensor], None]:
+        def param_hook(param: Tensor) -> Callable[[Tensor], None]:
             # Runs before the parameter's gradient is accumulated: the first one of a pass
             # disarms before anything reaches .grad, so a pass that dies at any later point
             # (an OOM, a user's hook raising, Ctrl-C) leaves counting paused.
+            node = _AccumulateNode(param)
+
             def on_grad(_: Tensor) -> None:
                 if armed[0]:
                     armed[0] = False
                     on = _COMPILED_AUTOGRAD in modules and _compiled_autograd_on()
                     compiled[0] = "compiled" if on else ""
-                    if _will_accumulate(param()):
+                    if node.will_run():
                         queue(fire)
                     else:  # torch.autograd.grad(loss, params) accumulates nothing
                         armed[0] = True
@@ -158,7 +160,7 @@ class BackwardCounter:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
                 if self._module is None:
-                    hook = self._param_hook(weakref.ref(p))
+                    hook = self._param_hook(p)
                     self._handles.append(p.register_hook(hook))  # type: ignore[no-untyped-call]
                 elif self._accumulators is not None:
                     self._accumulators.add(p)
@@ -313,14 +315,29 @@ def _inert_hook() -> Callable[..., None]:
 _COMPILED_AUTOGRAD = "torch._dynamo.compiled_autograd"
 
 
-def _will_accumulate(param: Tensor | None) -> bool:
-    """Whether the running backward pass will accumulate into ``param``'s ``.grad`` (the
-    engine refuses the question for ``torch.autograd.grad`` taking it as an input: no)."""
-    if param is None:
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(get_gradient_edge(param).node))
-    except RuntimeError:
+class _AccumulateNode:
+    """A parameter's ``AccumulateGrad`` node, to ask whether the running backward pass will
+    accumulate into its ``.grad`` (``torch._C._will_engine_execute_node``; the engine refuses
+    the question for ``torch.autograd.grad`` taking the parameter as an input: no). The node is
+    looked up once and again only when it answers no (it went stale when ``model.to(...)``
+    gave the parameter a new one). The parameter is held weakly: its own hook holds this."""
+
+    def __init__(self, param: Tensor) -> None:
+        self.param = weakref.ref(param)
+        self.node: Node = get_gradient_edge(param).node
+
+    def will_run(self) -> bool:
+        for fresh in (False, True):
+            param = self.param()
+            if param is None:
+                return False
+            if fresh:
+                self.node = get_gradient_edge(param).node
+            try:
+                if torch._C._will_engine_execute_node(self.node):
+                    return True
+            except RuntimeError:  # torch.autograd.grad() taking this parameter as input
+                return False
         return False
 
 
