@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,3 +66,16 @@ def assert_same_params(
 
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def scenarios_on_ranks(module: str, table: str, timeout_s: float = 120) -> list[dict[str, Any]]:
+    """Run every scenario of the dict ``module.table`` (name -> function of the rank) in one
+    spawn of 2 gloo ranks (spawning costs seconds); each rank's results by scenario name."""
+    from accumopt.testing import run_ranks
+
+    return run_ranks(_scenarios, module, table, timeout_s=timeout_s)
+
+
+def _scenarios(rank: int, module: str, table: str) -> dict[str, Any]:
+    scenarios = getattr(importlib.import_module(module), table)
+    return {name: run(rank) for name, run in scenarios.items()}

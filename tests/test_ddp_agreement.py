@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import scenarios_on_ranks
 from torch import nn
-
-from accumopt.testing import run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_ddp_faults import W1, W2, W3, Rows, data, full_batch, grad_scaler_inf_on_one_rank, net
@@ -143,14 +142,10 @@ DISAGREEMENTS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def disagreeing_rank(rank: int) -> dict[str, Any]:
-    return {name: run(rank) for name, run in DISAGREEMENTS.items()}
-
-
 @pytest.fixture(scope="module")
 def disagreements() -> list[dict[str, Any]]:
     # a short timeout: a rank left waiting must fail the test quickly, not hang it
-    return run_ranks(disagreeing_rank, timeout_s=20)
+    return scenarios_on_ranks(__name__, "DISAGREEMENTS", timeout_s=20)
 
 
 def assert_both_told(results: list[dict[str, Any]], name: str) -> None:
@@ -315,13 +310,9 @@ AGREEMENTS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def agreeing_rank(rank: int) -> dict[str, Any]:
-    return {name: run(rank) for name, run in AGREEMENTS.items()}
-
-
 @pytest.fixture(scope="module")
 def agreements() -> list[dict[str, Any]]:
-    return run_ranks(agreeing_rank, timeout_s=30)
+    return scenarios_on_ranks(__name__, "AGREEMENTS", timeout_s=30)
 
 
 def assert_exact(got: Params, expected: Params) -> None:

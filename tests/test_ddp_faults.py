@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import scenarios_on_ranks
 from torch import nn
-
-from accumopt.testing import run_ranks
 
 DATA = Path(__file__).parent / "data"
 Rows = list[tuple[int, int]]  # per rank: (start, stop)
@@ -131,13 +130,9 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def worker(rank: int) -> dict[str, Any]:
-    return {name: run(rank) for name, run in SCENARIOS.items()}
-
-
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_ranks(worker)
+    return scenarios_on_ranks(__name__, "SCENARIOS")
 
 
 def assert_close(got: list[list[float]], expected: list[list[float]]) -> None:
