@@ -51,9 +51,12 @@ class Window:
         updates (int), items_seen (float): updates applied, and their items over all ranks
             (what the schedule is asked with).
         micro_step (int): micro-steps counted in the open window.
-        items (float): items counted in the open window, over all ranks (0.0 if unweighted).
+        items (float): items counted in the open window (0.0 if unweighted); under DDP/FSDP2
+            over all ranks for a window in items, this rank's own until the boundary otherwise.
         weighted (bool | None): the kind of the window's micro-steps; None while it is empty.
         closed (bool): the window is full and waits for ``step()``.
+        done (bool): its update was applied (set by :meth:`applied`, cleared by the reset), so
+            a ``step()`` retried after a failed reset only finishes the reset.
         stepped (bool): no counted micro-step waits for its ``step()``.
 
     Raises:

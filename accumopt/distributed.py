@@ -105,7 +105,8 @@ def _restore(module: nn.Module, fsdp: bool, own: bool, hook: Any) -> None:
 def _before_forward(ref: weakref.ref[GradSync]) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         sync = ref()  # a weak reference: the module must not keep a dropped wrapper's sync
-        None if sync is None else sync.before_forward()
+        if sync is not None:
+            sync.before_forward()
 
     return hook
 
@@ -288,7 +289,7 @@ class GradSync:
         scaler's record (one small collective): the same windows skipped, one loss scale."""
         states = scaler._per_optimizer_states  # type: ignore[attr-defined]
         flags: list[Tensor] = list(states[id(opt)]["found_inf_per_device"].values())
-        own = sum(float(f.item()) for f in flags) if flags else float(found_inf.item())
+        own = sum(float(f.item()) for f in flags)  # WindowBuffer.inf_flag recorded at least one
         found = self._agree(_FOUND_INF, opt._window.micro_step, own)[0] > 0
         for flag in flags:
             flag.fill_(float(found))
