@@ -117,18 +117,19 @@ def check_reduction(reduction: object) -> str:
 
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
-    """Validate ``max_grad_norm`` (None, or a positive finite number)."""
+    """Validate ``max_grad_norm`` (None, a positive number, or ``inf``: measure only)."""
     if max_grad_norm is None:
         return None
     if (
         isinstance(max_grad_norm, bool)
         or not isinstance(max_grad_norm, numbers.Real)
-        or not math.isfinite(float(max_grad_norm))
+        or math.isnan(float(max_grad_norm))
         or max_grad_norm <= 0
     ):
         raise ValueError(
-            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive finite number; "
-            "expected None (no clipping) or the largest total 2-norm of the window's gradient."
+            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive number; expected "
+            "None (no clipping), the largest total 2-norm of the window's gradient, or "
+            "float('inf') (measure the norm, opt.last_window.grad_norm, without clipping)."
         )
     return float(max_grad_norm)
 

@@ -8,6 +8,7 @@ sparse gradients, which the foreach kernels do not take, are handled one by one.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 
 import torch
@@ -96,8 +97,9 @@ def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def clip_(params: list[Tensor], max_norm: float) -> None:
-    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also for sparse gradients.
+def clip_(params: list[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also for sparse gradients;
+    returns the total 2-norm before clipping (0-dim tensor). ``max_norm=inf`` only measures.
 
     torch's clipping has no sparse norm; a sparse gradient's norm is that of its coalesced
     values (duplicate indices summed first), and it is scaled in place like a dense one. The
@@ -105,16 +107,20 @@ def clip_(params: list[Tensor], max_norm: float) -> None:
     """
     grads = grads_of(params)
     dense, sparse = _split_sparse(grads)
+    if not sparse and max_norm != math.inf:
+        total: Tensor = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return total
     if not sparse:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
+        return torch.nn.utils.get_total_norm(dense)
     norms = [torch.linalg.vector_norm(g) for g in dense]
     norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in sparse]
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device))
+    if max_norm != math.inf:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+    return total
 
 
 def all_finite(grads: list[Tensor]) -> bool:

@@ -57,9 +57,66 @@ def check_rollback(buffer: bool | None, fsdp: bool) -> None:
         )
 
 
+def _unscaled(opt: _StepState) -> bool:
+    """Whether ``scaler.unscale_(opt)`` ran since the scaler's last ``update()``."""
+    from torch.amp.grad_scaler import OptState
+
+    assert opt.scaler is not None
+    state = opt.scaler._per_optimizer_states.get(id(opt))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
+def items_without_model(world_size: int) -> str:
+    """Items under several ranks, but no DDP/FSDP2 model to sum them through."""
+    return (
+        f"Accumulate: items under a process group of {world_size} ranks, but the wrapper has "
+        "no DDP/FSDP2 model, so each rank would divide by its own item count and the replicas "
+        "drift apart; expected opt.set_model(ddp_model) (or Accumulate(..., model=ddp_model)) "
+        "first. Nothing was changed."
+    )
+
+
+SET_MODEL_IN_WINDOW = (
+    "Accumulate.set_model: a window is open, and its micro-steps were counted and synced "
+    "for the previous model; expected set_model() between windows (before the first backward "
+    "pass, or when opt.micro_step == 0). Call it after the next update, or opt.flush() first."
+)
+
+NO_ITEMS = (
+    "Accumulate.next_items: items=None; expected the number of items (samples, tokens) the "
+    "next backward pass covers, a number >= 0 or a one-element tensor."
+)
+
+
+def pending_items(api: str, pending: float) -> str:
+    """A second item count before the backward pass of the first."""
+    return (
+        f"Accumulate.{api}: next_items({pending:g}) is still waiting for its backward pass; "
+        "expected one item count per backward pass (next_items(n) then loss.backward(), or "
+        "opt.backward(loss_sum, items=n) alone). Nothing was changed by this call."
+    )
+
+
+_PAUSED = {
+    "wiped": (
+        "the gradients of the open window were cleared or replaced outside the wrapper (see "
+        "the error raised then); expected opt.discard() to drop the window first."
+    ),
+    "unscaled": (
+        "scaler.unscale_(opt) ran inside an open window, so .grad holds one micro-batch's "
+        "unscaled gradient (clipping it there clips a partial sum, not the window's mean); "
+        "expected scaler.unscale_(opt) and clipping only when opt.will_update is True, or "
+        "max_grad_norm= on Accumulate. Call opt.discard() to drop the window."
+    ),
+}
+
+
 def paused_message(api: str, reason: str = "") -> str:
     """Why ``api`` refuses to go on after a backward pass that died part-way (``reason`` ""),
-    ran under compiled autograd (``"compiled"``), or a second thread drove the wrapper."""
+    ran under compiled autograd (``"compiled"``), a second thread drove the wrapper, the
+    window was wiped from outside (``"wiped"``) or unscaled inside (``"unscaled"``)."""
+    if reason in _PAUSED:
+        return f"Accumulate.{api}: {_PAUSED[reason]} Nothing was changed by this call."
     if reason == "thread":
         return (
             f"Accumulate.{api}: step() was called from a second thread; one wrapper counts the "
@@ -117,28 +174,24 @@ def inseparable_message(closed: bool) -> str:
     )
 
 
-def step_refusal(closure: object, amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
+def step_refusal(amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
     """Why ``opt.step()`` must not go on, as the exception to raise, or None.
 
     Args:
-        closure: the ``closure`` argument of ``step``.
         amp: ``step`` was called through ``GradScaler.step``.
         scaled: a ``GradScaler`` is in use (the gradients are scaled).
         opt: the wrapper.
     """
-    if closure is not None:
-        return TypeError(
-            "Accumulate.step: closures are not supported (the inner step runs once per "
-            "window); expected step() with no argument. Compute the loss outside and call "
-            "backward() and step() once per micro-batch."
-        )
+    if amp and scaled and not opt.will_update and _unscaled(opt):
+        opt._counter.pause("unscaled")  # .grad holds an unscaled micro-step: the window is lost
     if opt._counter.paused:
         return RuntimeError(paused_message("step", opt._counter.paused_reason))
-    if amp and opt.scaler is None:
+    if amp and opt.scaler is None:  # not adopted: a micro-step was folded without a scale
         return RuntimeError(
             "Accumulate.step: called through GradScaler.step, but the wrapper was built "
-            "without scaler=; expected Accumulate(optimizer, ..., scaler=scaler) so that "
-            "each micro-step is unscaled with its own loss scale."
+            "without scaler= and micro-steps of this window were already summed without a "
+            "loss scale; expected Accumulate(optimizer, ..., scaler=scaler), or scaler.step(opt) "
+            "from the first micro-step on. Call opt.discard() to drop the window."
         )
     if opt._window.stepped:
         hint = (
@@ -164,3 +217,40 @@ def step_refusal(closure: object, amp: bool, scaled: bool, opt: _StepState) -> E
             "scaler.step(opt) followed by scaler.update()."
         )
     return None
+
+
+WHERE = (
+    "counting micro-step {m} of a window in items",
+    "closing a window at micro-step {m}",
+    "flush() with {m} micro-step(s) pending",
+    "at the forward of the micro-step after {m}, which closes the window",
+    "scaler.step after micro-step {m}",
+    "agreeing on a micro-batch's out-of-memory failure",
+    "checking the rows of the runner's batch",
+)
+"""The positions ``accumopt.distributed`` stamps on its small collectives, in the order of its
+``_ITEMS, _CLOSE, ...`` codes; a stamp is ``micro_step * len(WHERE) + position``."""
+
+
+def _describe(code: float) -> str:
+    return WHERE[int(code) % len(WHERE)].format(m=int(code) // len(WHERE))
+
+
+def not_joined(code: float, err: BaseException) -> str:
+    """A collective at position ``code`` that not every rank joined in time."""
+    return (
+        f"Accumulate: this rank was {_describe(code)}; not every rank joined in time "
+        f"({str(err)[:200]}); expected the same micro-steps per window on every rank "
+        "and flush() on every rank together."
+    )
+
+
+def ranks_apart(codes: list[float]) -> str:
+    """Ranks that met at different positions (``codes`` in rank order)."""
+    seen = "; ".join(f"rank {i}: {_describe(c)}" for i, c in enumerate(codes))
+    return (
+        f"Accumulate: the ranks are at different points of the accumulation window ({seen}); "
+        "expected every rank to run the same number of micro-steps per window and to call "
+        "flush() on every rank together. Nothing of this window was applied; call "
+        "opt.discard() on every rank (or stop)."
+    )

@@ -28,11 +28,36 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SizeFn = Callable[[int, float], Any]
 """A window schedule: ``f(updates, items_seen)`` -> micro-steps (``every``) or items
 (``every_items``) for the window that opens now."""
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """What the last window that reached its boundary was (``Accumulate.last_window``): what
+    frameworks log after an update.
+
+    Attributes:
+        micro_steps: micro-steps in the window (this rank's; all ranks run the same number).
+        items: items in the window, over all ranks (0.0 for an unweighted window).
+        grad_norm: the 2-norm of the window's gradient before clipping (0-dim tensor on the
+            gradients' device, float32 or the gradients' dtype; no host sync), when
+            ``max_grad_norm`` is set (``float("inf")`` measures without clipping); else None.
+        updated: whether the inner optimizer stepped (False: skipped for an inf/NaN or for
+            zero items).
+    """
+
+    micro_steps: int
+    items: float
+    grad_norm: Tensor | None
+    updated: bool
 
 
 class Window:
@@ -147,6 +172,10 @@ class Window:
         self.updates = updates + 1
         self.items_seen += self.items
         return self.updates
+
+    def report(self, grad_norm: Tensor | None, updated: bool) -> WindowReport:
+        """What the window that reached its boundary was (before :meth:`reset`)."""
+        return WindowReport(self.micro_step, self.items, grad_norm, updated)
 
     def refusal(self, weighted: bool) -> tuple[type[Exception], str] | None:
         """Why a micro-step of this kind cannot join the window now (exception type and

@@ -77,6 +77,7 @@ class WindowBuffer:
         self.found_inf: Tensor | None = None
         self.unfolded = 0
         self.final = False  # the closed window's gradient is unscaled and clipped
+        self.grad_norm: Tensor | None = None  # its pre-clip norm, when clipping is on
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current loss scale as a tensor (no host sync), or None without AMP."""
@@ -221,10 +222,11 @@ class WindowBuffer:
             self.note_found_inf(_grads.unscale_(_grads.grads_of(params), scale))
 
     def finalize(self, params: list[Tensor], max_grad_norm: float | None) -> None:
-        """Clip the closed window's (unscaled) gradient, once: a retried step after the inner
-        optimizer's step() raised finds it ready and does not clip or unscale it again."""
+        """Clip the closed window's (unscaled) gradient, once, keeping its pre-clip norm in
+        :attr:`grad_norm`: a retried step after the inner optimizer's step() raised finds it
+        ready and does not clip or unscale it again."""
         if not self.final and max_grad_norm is not None:
-            _grads.clip_(params, max_grad_norm)
+            self.grad_norm = _grads.clip_(params, max_grad_norm)
         self.final = True
 
     def skip_window(self, params: list[Tensor], check_finite: bool) -> bool:

@@ -13,24 +13,25 @@ The torch.optim facade. It composes the parts that decide, and decides nothing t
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from accumopt import _checkpoint, _checks, _refusals, noise
-from accumopt._backward_counter import BackwardCounter
+from accumopt import _binding, _checkpoint, _checks, _guards, _refusals, noise
 from accumopt._grads import params_of
 from accumopt._inner import any_step_hooks, watch_steps
-from accumopt._window import SizeFn, Window
+from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
+from accumopt._window import SizeFn, Window, WindowReport
 from accumopt._window_buffer import WindowBuffer
-from accumopt.distributed import GradSync, is_distributed, sync_for
 
-_PER_MICRO_BATCH = ("skip_micro_batch", "raise")
+_LOG = logging.getLogger("accumopt")
 
 
-class AccumulatingOptimizer(torch.optim.Optimizer):
+class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     """Wrap any ``torch.optim.Optimizer`` so that it steps once per window of micro-batches.
 
     Example::
@@ -83,6 +84,8 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     _pending_items: float | None
     _deferred: tuple[float | None] | None
     _accumopt_wrapper = True  # what _checks.check_optimizer refuses to wrap again
+    _inner_stepping = False  # only the wrapper may step the inner optimizer (_inner.py)
+    model: torch.nn.Module | None  # set by _binding.bind
 
     def __init__(
         self,
@@ -106,29 +109,22 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
-        self.model = _checks.check_model(model, inner)
-        _checks.check_policies(self.nonfinite, self.scaler, self.buffer, is_distributed(model))
         # Base init on copies of the groups, then share the inner's containers by identity
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self.optimizer, self.param_groups = inner, inner.param_groups
         self.state, self.defaults = inner.state, inner.defaults
         self.updates, self.skipped_micro_steps, self.did_update = 0, 0, False
+        self.last_window: WindowReport | None = None
         self.reduce_every_micro_step = bool(reduce_every_micro_step)
         self._window = Window(every, every_items, self.reduction)
         buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
         self._buffer = WindowBuffer(self.buffer, buffer_all, self.scaler)
-        params = params_of(self.param_groups)
-        self._sync = sync_for(model, params[0].device, self.reduce_every_micro_step)
-        if isinstance(self._sync, GradSync):
-            self._sync.check_fsdp(every, self.scaler, buffer_all)
+        self._guard = _guards.WindowGuard()
         self._drop_at_step = False  # a non-finite micro-batch, kept until GradScaler saw it
         self._thread: int | None = None  # the thread that steps the wrapper (the first one)
         self._defer, self._deferred = False, None  # the runner's deferred counting
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
-        fsdp = self._sync.fsdp
-        self._counter = BackwardCounter(self._on_backward_end, model, confirm_accumulation=not fsdp)
-        self._counter.watch_groups(self.param_groups)
-        self._plan_sync()
+        _binding.bind(self, model)  # sets model, _sync (DDP/FSDP2) and _counter
         self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
         self._inner_steps = watch_steps(inner, self)
@@ -139,100 +135,9 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     items = property(lambda self: self._window.items, doc=_refusals.ITEMS)
     will_update = property(lambda self: self._window.closed, doc=_refusals.WILL_UPDATE)
 
-    def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
-        """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
-
-        Args:
-            loss: one-element tensor; with ``items``, the micro-batch's *summed* loss (the
-                window's gradient is then the sum over the window's total items). Under AMP
-                ``scaler.scale(loss)``. A pass that reaches no wrapped parameter still counts.
-            items: how many items (samples, tokens) ``loss`` covers: a number >= 0 or a
-                one-element tensor (one host sync).
-            **kwargs: forwarded to ``Tensor.backward``.
-
-        Raises:
-            TypeError: ``loss`` is not a one-element tensor.
-            ValueError: bad ``items``; weighted and unweighted micro-steps mixed in a window;
-                an ``every_items`` window without ``items``.
-            RuntimeError: the window is complete and waits for :meth:`step`, or a backward pass
-                failed part-way. Nothing is accumulated by a rejected call.
-        """
-        _checks.check_loss(loss)
-        weight = _checks.check_items(items)
-        refusal = self._window.refusal(weight is not None)
-        if refusal is not None:
-            raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
-        self._check_not_paused("backward")
-        self._pending_items, self._awaiting_end = weight, True
-        try:
-            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
-            if self._awaiting_end:  # the pass reached no wrapped parameter / model output
-                self._on_backward_end()
-        finally:
-            self._pending_items, self._awaiting_end = None, False
-
-    def _check_not_paused(self, api: str) -> None:
-        if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
-            raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
-
-    def _on_backward_end(self) -> None:
-        """End-of-backward callback: count the micro-step (or keep it for the runner)."""
-        items, self._pending_items, self._awaiting_end = self._pending_items, None, False
-        refusal = self._window.refusal(items is not None)
-        if refusal is not None:
-            raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
-        self._window.stepped = False
-        if self._defer:
-            self._deferred = (items,)
-        else:
-            self._count(items)
-
-    def _count(self, items: float | None) -> None:
-        groups = self.param_groups
-        if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(groups):
-            if self.nonfinite == "raise":
-                self.drop_micro_step()
-                raise FloatingPointError(_refusals.nonfinite_message(self._window.micro_step + 1))
-            self.skipped_micro_steps += 1
-            # GradScaler.step must still see the inf to back off its scale: drop it there
-            self._drop_at_step = self._buffer.loss_scale() is not None
-            return None if self._drop_at_step else self.drop_micro_step()
-        if self._window.count(self._sync.counted(items, self._window)):
-            self._close_window(params_of(groups))
-        else:
-            self._buffer.micro_step_done(groups)
-            self._plan_sync()
-        return None
-
-    def drop_micro_step(self) -> None:
-        """Drop the micro-step in flight (``.grad`` set to None), keeping every finished one
-        (``buffer=True``, :meth:`enable_rollback`). Raises RuntimeError if the window is
-        complete or finished micro-steps live in ``.grad``."""
-        if self._window.closed or not self._buffer.separable(self._window.micro_step):
-            raise RuntimeError(_refusals.inseparable_message(self._window.closed))
-        for p in params_of(self.param_groups):
-            p.grad = None
-        self._pending_items = None
-        self._counter.rearm()
-        if self._deferred is not None:
-            self._deferred = None
-            self._window.stepped = True
-
-    def enable_rollback(self) -> None:
-        """Route every parameter through the window buffer from now on (``buffer=True``), so
-        that a failed micro-batch can be dropped alone; callable between micro-steps.
-
-        Raises:
-            RuntimeError: the wrapper was built with ``buffer=False``, or holds an FSDP2 model.
-        """
-        _refusals.check_rollback(self.buffer, self._sync.fsdp)
-        self._check_not_paused("enable_rollback")
-        params = params_of(self.param_groups)
-        self._buffer.route_all(params, self._window.micro_step, self._window.closed)
-        self._plan_sync()
-
     def _close_window(self, params: list[Tensor]) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
+        _guards.check_close(self)
         self._window.closed = True
         self._sync.settle_items(self._window)
         self._sync.close(self._buffer, params, self._window.divisor(self._sync.world_size))
@@ -240,37 +145,52 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
     def _plan_sync(self) -> None:
         self._sync.plan_next(self._window, self._buffer, self.param_groups)
 
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """End a micro-step; at the boundary clip, step the inner optimizer, set
         :attr:`did_update`. Inside the window nothing happens (under AMP: a fold).
 
+        Args:
+            closure: as for every torch optimizer (Lightning passes one): called once, with
+                autograd on, before the step; it runs the micro-step's forward and backward.
+
+        Returns:
+            The closure's return value (the loss), or None without a closure.
+
         Raises:
-            TypeError: a ``closure`` was passed.
             RuntimeError: no backward pass since the last ``step()``; a backward pass failed
-                part-way (see :meth:`discard`); a ``GradScaler`` step without ``scaler=``, or
-                a boundary with ``scaler=`` but not through ``scaler.step``.
+                part-way (see :meth:`discard`); a learning rate changed inside the window; a
+                boundary with ``scaler=`` but not through ``scaler.step``; ``scaler.unscale_``
+                inside an open window. Anything the closure raises, before any step.
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if any_step_hooks(self):
-            return self._profiled_step(closure)
+            self._profiled_step()
+            return loss
         window = self._window
         amp = "found_inf" in self.__dict__
-        slow = window.closed or window.stepped or self._drop_at_step or closure is not None
+        slow = window.closed or window.stepped or self._drop_at_step
         if slow or amp or self._counter.paused or self._thread != get_ident():
-            return self._step(closure)
+            self._step()
+            return loss
         window.stepped, self.did_update = True, False  # a plain micro-step inside the window
-        return None
+        return loss
 
     # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above)
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step(self, closure: None = None) -> None:
+    def _step(self) -> None:
         if self._thread is None:
             self._thread = get_ident()
         elif self._thread != get_ident():  # a second thread: refused there and everywhere
             self._counter.pause("thread")
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
+        if amp and self.scaler is None:  # scaler.step(opt) on a wrapper built without scaler=
+            _binding.adopt_scaler(self)
         scaled = self._buffer.loss_scale() is not None
-        problem = _refusals.step_refusal(closure, amp, scaled, self)
+        problem = _refusals.step_refusal(amp, scaled, self)
         if problem is not None:  # GradScaler deletes these only after a step() that returns
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
@@ -301,14 +221,19 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self.did_update = True
         elif self._window.divisor() is None or self._buffer.skip_window(params, check_finite):
             self.optimizer.zero_grad(set_to_none=True)
+            _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
         else:
+            _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
             self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even on a retry
             before = self._inner_steps[0]
+            self._inner_stepping = True
             try:  # if it raises before updating, the window stays closed: step() retries it
                 self.optimizer.step()
             finally:  # updated, even if a post hook raised after it: the window is applied
+                self._inner_stepping = False
                 if self._inner_steps[0] > before:
                     self.updates, self.did_update = self._window.applied(self.updates), True
+        self.last_window = self._window.report(self._buffer.grad_norm, self.did_update)
         self._reset_window()
 
     def flush(self) -> bool:
@@ -352,8 +277,25 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
             self._counter.rearm()  # no gradient is left over from a pass that died
 
     def _reset_window(self) -> None:
+        self._guard.forget()
         self._buffer.reset()
         self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """Tell the wrapper the model its losses come from, after it was built: the same as
+        ``Accumulate(..., model=model)``. For frameworks that wrap the model (DDP, FSDP2) after
+        the optimizer exists: Accelerate's ``prepare``, the HF Trainer, Lightning strategies.
+
+        Raises:
+            RuntimeError: a window is open (call it between windows: before the first
+                backward pass, or right after an update); a backward pass failed part-way.
+            TypeError / ValueError: as ``model=`` (not a module, none of the parameters, a
+                setting the model cannot honour). Nothing changes when it raises.
+        """
+        if self._window.micro_step:
+            raise RuntimeError(_refusals.SET_MODEL_IN_WINDOW)
+        self._check_not_paused("set_model")
+        _binding.bind(self, model)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (and count backward passes through it)."""
@@ -367,7 +309,12 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
 
     # The checkpoint format lives in one place; its functions are these methods.
     state_dict = _checkpoint.state_dict
-    load_state_dict = _checkpoint.load_state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _checkpoint.load_state_dict(self, state_dict)
+        self._guard.forget()  # the window's gradients are the loaded ones
+
+    load_state_dict.__doc__ = _checkpoint.load_state_dict.__doc__
     __getstate__ = _checkpoint.getstate
     __setstate__ = _checkpoint.setstate
 
@@ -375,25 +322,6 @@ class AccumulatingOptimizer(torch.optim.Optimizer):
         every, every_items = self._window.every, self._window.every_items
         window = f"every={every}" if every else f"every_items={every_items:g}"
         return f"Accumulate({window}, reduction={self.reduction!r}, optimizer={self.optimizer!r})"
-
-    # The runner's interface (package-internal), under torch.distributed: after each
-    # micro-batch all ranks agree that none ran out of memory, then all count or all drop it.
-
-    @property
-    def _ranks(self) -> GradSync | None:
-        """The cross-rank synchronisation (None in a single process)."""
-        return self._sync if isinstance(self._sync, GradSync) else None
-
-    def _defer_counting(self) -> None:
-        """Keep each finished micro-step uncounted until :meth:`_commit_deferred` (or
-        :meth:`drop_micro_step`)."""
-        self._defer = True
-
-    def _commit_deferred(self) -> None:
-        """Count the micro-step kept back since its backward pass ended (if any)."""
-        pending, self._deferred = self._deferred, None
-        if pending is not None:
-            self._count(pending[0])
 
 
 Accumulate = AccumulatingOptimizer

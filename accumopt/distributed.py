@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from accumopt import _grads
+from accumopt import _grads, _refusals
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
 
@@ -62,15 +62,6 @@ def is_distributed(module: nn.Module | None) -> bool:
 
 # Positions in the window, stamped on every small collective (see the module docstring)
 _ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _FAILED, _ROWS = range(7)
-_WHERE = (
-    "counting micro-step {m} of a window in items",
-    "closing a window at micro-step {m}",
-    "flush() with {m} micro-step(s) pending",
-    "at the forward of the micro-step after {m}, which closes the window",
-    "scaler.step after micro-step {m}",
-    "agreeing on a micro-batch's out-of-memory failure",
-    "checking the rows of the runner's batch",
-)
 _SIDE: dict[tuple[int, ...], tuple[object, Any]] = {}  # ranks -> (world group, agreement group)
 
 
@@ -121,6 +112,17 @@ class LocalSync:
         """Nothing to synchronise, sum, give back or adjust in one process."""
 
     plan_next = settle_items = release = restored = _nothing
+
+    def check_weighted(self) -> None:
+        """Items are this process's own: refused where several ranks train (the sum of their
+        items is needed) but the wrapper has no DDP/FSDP2 model to sum them through."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(_refusals.items_without_model(dist.get_world_size()))
+
+    def grad_writes(self, micro_steps: int) -> int:
+        """In-place writes into ``.grad`` besides accumulation: a DDP model the wrapper was
+        not given copies its buckets back after every pass."""
+        return micro_steps if dist.is_available() and dist.is_initialized() else 0
 
     def counted(self, items: float | None, window: Window) -> float | None:
         """The item count of a micro-step is this process's own."""
@@ -264,6 +266,13 @@ class GradSync:
         self._released, self._closing_planned = True, False
         self.set_sync(self._own)
 
+    def check_weighted(self) -> None:
+        """Items are summed over the ranks: always possible."""
+
+    def grad_writes(self, micro_steps: int) -> int:
+        """DDP's reducer copies the all-reduced buckets back after each synced pass."""
+        return micro_steps if self.reduce_every_micro_step else 1
+
     def counted(self, items: float | None, window: Window) -> float | None:
         """A micro-step was counted (remember if it was synced): its items over the ranks for
         a window in items (one small collective), else this rank's own (see settle_items)."""
@@ -312,30 +321,20 @@ class GradSync:
     ) -> tuple[float, float]:
         """Sum ``(a, b)`` over the ranks in rank order (one all-gather of 3 float64 per rank);
         RuntimeError on every rank unless all are at this position, or after a timeout."""
-        code = float(micro_step * len(_WHERE) + where)
+        code = float(micro_step * len(_refusals.WHERE) + where)
         mine = torch.tensor([a, b, code], dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, mine, group=self.side)
         except RuntimeError as err:
-            raise RuntimeError(
-                f"Accumulate: this rank was {_describe(code)}; not every rank joined in time "
-                f"({str(err)[:200]}); expected the same micro-steps per window on every rank "
-                "and flush() on every rank together."
-            ) from err
+            raise RuntimeError(_refusals.not_joined(code, err)) from err
         if check_only:
             self.checks += 1
         else:
             self.all_reduces += 1
         rows = [p.tolist() for p in parts]
         if any(r[2] != code for r in rows):
-            seen = "; ".join(f"rank {i}: {_describe(r[2])}" for i, r in enumerate(rows))
-            raise RuntimeError(
-                f"Accumulate: the ranks are at different points of the accumulation window "
-                f"({seen}); expected every rank to run the same number of micro-steps per window "
-                "and to call flush() on every rank together. Nothing of this window was applied; "
-                "call opt.discard() on every rank (or stop)."
-            )
+            raise RuntimeError(_refusals.ranks_apart([r[2] for r in rows]))
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
@@ -394,7 +393,3 @@ class GradSync:
                 "together; expected the same number of rows on every rank with "
                 "micro_batch_size='auto' under torch.distributed (all ranks back off together)."
             )
-
-
-def _describe(code: float) -> str:
-    return _WHERE[int(code) % len(_WHERE)].format(m=int(code) // len(_WHERE))

@@ -122,6 +122,15 @@ class MicroBatchRunner:
                 "accumopt.Accumulate wrapper (Accumulate(torch.optim.AdamW(...), every_items=N))."
             )
         auto = micro_batch_size == "auto"
+        if auto and optimizer.every is not None:
+            raise ValueError(
+                f"MicroBatchRunner: micro_batch_size='auto' over Accumulate(every="
+                f"{optimizer.every}), a window counted in micro-steps: the effective batch would "
+                "follow the size search (an update covers whatever rows its micro-batches had); "
+                "expected a window in items, Accumulate(..., every_items=N), so that every "
+                "update covers N rows whatever the micro-batch size, or a fixed "
+                "micro_batch_size."
+            )
         if not auto and not positive_int(micro_batch_size):
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "

@@ -180,16 +180,6 @@ def test_8_amp_checkpoint_mid_window_carries_the_buffer() -> None:
         assert_same_params(run(stop), whole, rtol=0, atol=0)
 
 
-def test_8_amp_step_through_scaler_needs_scaler_argument() -> None:
-    model = mlp(38)
-    sc = scaler()
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
-    x, y = data(38, 2)
-    sc.scale(mse_sum(model, x, y)).backward()
-    with pytest.raises(RuntimeError, match="scaler=scaler"):
-        sc.step(acc)
-
-
 def test_8_amp_boundary_step_outside_the_scaler_is_refused() -> None:
     model = mlp(39)
     sc = scaler()

@@ -1,5 +1,5 @@
 """The house rules of the package layout, checked on the source: small modules, no import
-circle, and torch.distributed used by one module only."""
+circle, torch.distributed used by one core module only, and no framework in the core."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ import accumopt
 
 PACKAGE = Path(accumopt.__file__).parent
 MODULES = {f"accumopt.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+INTEGRATIONS = {
+    f"accumopt.integrations.{p.stem}": p
+    for p in (PACKAGE / "integrations").glob("*.py")
+    if p.stem != "__init__"
+}
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
 
 
 def _imports(path: Path) -> set[str]:
@@ -34,7 +40,8 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_module_is_over_400_lines() -> None:
-    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    every = {**MODULES, **INTEGRATIONS}
+    sizes = {name: len(path.read_text().splitlines()) for name, path in every.items()}
     assert {name: n for name, n in sizes.items() if n > 400} == {}
 
 
@@ -63,3 +70,14 @@ def test_only_the_distributed_module_uses_torch_distributed() -> None:
         )
     }
     assert users <= {"accumopt.distributed", "accumopt.testing"}, users
+
+
+def test_no_framework_is_imported_by_the_core() -> None:
+    """Lightning, transformers and Accelerate are optional: only accumopt.integrations uses
+    them (an extra installs each)."""
+    users = {
+        name
+        for name, path in MODULES.items()
+        if any(m.split(".")[0] in FRAMEWORKS for m in _imports(path))
+    }
+    assert users == set(), users

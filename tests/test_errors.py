@@ -165,13 +165,6 @@ def test_11_backward_after_the_boundary_needs_a_step_first() -> None:
     assert acc.did_update
 
 
-def test_11_closure_is_refused() -> None:
-    model = mlp(5)
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=1)
-    with pytest.raises(TypeError, match="closures are not supported"):
-        acc.step(lambda: torch.zeros(()))  # type: ignore[arg-type]
-
-
 def test_11_load_state_dict_with_other_window_settings_changes_nothing() -> None:
     model = mlp(6)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)

@@ -251,7 +251,7 @@ def test_is_oom(error: BaseException, expected: bool) -> None:
     ],
 )
 def test_runner_bad_arguments(kwargs: dict, exc: type[Exception], pattern: str) -> None:
-    acc = Accumulate(torch.optim.SGD(mlp(75).parameters(), lr=0.1), every=2)
+    acc = Accumulate(torch.optim.SGD(mlp(75).parameters(), lr=0.1), every_items=4)
     with pytest.raises(exc, match=pattern):
         MicroBatchRunner(acc, lambda b: b.sum(), **kwargs)
 

@@ -1,0 +1,83 @@
+"""What the wrapper learns from outside after it is built: the model, and a GradScaler.
+
+Frameworks build the optimizer before they wrap the model (Accelerate's ``prepare``, the HF
+Trainer, Lightning's strategies put DDP/FSDP2 around it later), and wrappers such as timm's
+``NativeScaler`` call ``scaler.step(opt)`` with a ``GradScaler`` the wrapper was never given.
+Both are learned here between windows, with the checks the constructor runs, so the result is
+the same wrapper as one built with ``model=`` / ``scaler=`` from the start.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from accumopt import _checks, noise
+from accumopt._backward_counter import BackwardCounter
+from accumopt._grads import params_of
+from accumopt.distributed import GradSync, LocalSync, is_distributed, sync_for
+
+if TYPE_CHECKING:
+    from accumopt.accumulate import AccumulatingOptimizer
+
+
+def bind(opt: AccumulatingOptimizer, model: torch.nn.Module | None) -> None:
+    """Count ``opt``'s backward passes for ``model`` and synchronise through it (DDP/FSDP2).
+
+    Every check runs before anything changes; the previous model's sync setting comes back
+    and its counting hooks are removed. Used by the constructor and ``set_model``.
+
+    Raises:
+        TypeError / ValueError: as ``Accumulate(..., model=model)`` would.
+    """
+    model = _checks.check_model(model, opt.optimizer)
+    distributed = is_distributed(model)
+    _checks.check_policies(opt.nonfinite, opt.scaler, opt.buffer, distributed)
+    params = params_of(opt.param_groups)
+    sync: GradSync | LocalSync = sync_for(model, params[0].device, opt.reduce_every_micro_step)
+    if isinstance(sync, GradSync):
+        sync.check_fsdp(opt._window.every, opt.scaler, opt._buffer.buffer_all)
+    counter = BackwardCounter(opt._on_backward_end, model, confirm_accumulation=not sync.fsdp)
+    counter.watch_groups(opt.param_groups)
+    old_sync, old_counter = opt.__dict__.get("_sync"), opt.__dict__.get("_counter")
+    if old_counter is not None:
+        old_counter.remove()
+    if old_sync is not None:
+        old_sync.release(opt._window)
+    opt.model, opt._sync, opt._counter = model, sync, counter
+    opt._plan_sync()
+    if opt.__dict__.get("noise_scale") is not None:  # its hooks live on the sync object
+        opt.noise_scale = noise.attach(opt, opt.noise_scale)
+
+
+def calling_scaler() -> torch.amp.GradScaler | None:
+    """The ``GradScaler`` whose ``step(opt)`` is running, found on the call stack (its
+    ``step`` calls the optimizer's ``step`` directly; a few frames allow for wrappers)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, torch.amp.GradScaler):
+            return candidate
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    return None
+
+
+def adopt_scaler(opt: AccumulatingOptimizer) -> None:
+    """``scaler.step(opt)`` on a wrapper built without ``scaler=``: adopt that scaler if no
+    micro-step of the open window was folded yet (its first micro-step is still in ``.grad``,
+    scaled by the scale the scaler hands in now); else leave it to the refusal."""
+    scaler = calling_scaler()
+    window, buffer = opt._window, opt._buffer
+    if scaler is None or window.micro_step > 1 or buffer.sums or buffer.unfolded:
+        return
+    _checks.check_policies(opt.nonfinite, scaler, opt.buffer, isinstance(opt._sync, GradSync))
+    if isinstance(opt._sync, GradSync):
+        opt._sync.check_fsdp(window.every, scaler, buffer.buffer_all)
+    opt.scaler = buffer.scaler = _checks.check_scaler(scaler)
+    opt._guard.forget()  # from now on every micro-step is folded out of .grad
+    if window.micro_step == 1 and not window.closed:
+        buffer.unfolded = 1  # the first micro-step, scaled, waits in .grad for this step

@@ -1,0 +1,173 @@
+"""What code outside the wrapper must not change inside an open window, and how it is caught.
+
+A window's micro-steps add up in ``.grad`` (in place: the tensor stays the same object, its
+version counter grows by one per accumulating backward pass) and are applied at the boundary
+with the learning rate the window was opened under. Code that does not know about the window
+breaks that silently: ``model.zero_grad()`` or a framework's own zeroing after every micro-step,
+``p.grad = None``, ``p.grad.zero_()``, an LR scheduler stepped every micro-step, the inner
+optimizer stepped directly. :class:`WindowGuard` notes the state once per window (after its
+first micro-step) and checks it once, when the window closes: O(parameters) per window, nothing
+per micro-step, and the error comes before the first wrong update.
+
+What it cannot see: a gradient zeroed in place in a window where that parameter was not reached
+by some micro-step (its version counter is then within the allowance), and an LR held in a
+tensor and changed in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2
+the closing pass replaces ``.grad`` legitimately, so only the learning rate is checked there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from accumopt._grads import params_of
+
+if TYPE_CHECKING:
+    from accumopt.accumulate import AccumulatingOptimizer
+
+WIPED = (
+    "Accumulate: the gradients of the open window were replaced or cleared by code outside "
+    "the wrapper ({what}; {count} parameter(s), e.g. one of shape {shape}) between its first "
+    "micro-step and now: model.zero_grad(), the inner optimizer's zero_grad(), p.grad = None "
+    "or p.grad.zero_() every micro-step, or a framework's own zeroing. The window's sum is "
+    "lost, so it was not applied; expected gradients cleared only through opt.zero_grad() "
+    "(a no-op inside a window). Call opt.discard() to drop the window, then remove that call "
+    "(see accumopt.integrations for Trainer, Lightning and Accelerate)."
+)
+
+LR_CHANGED = (
+    "Accumulate: the learning rate of param group {group} changed inside the open window "
+    "(from {before!r} to {after!r}); a scheduler stepped every micro-step counts micro-steps, "
+    "not updates. Nothing was applied; expected scheduler.step() only after a real update "
+    "(if opt.did_update: scheduler.step()). Set the learning rate back and call step() again, "
+    "or call opt.discard() to drop the window."
+)
+
+STEPPED_DIRECTLY = (
+    "Accumulate: the inner {name} was stepped directly, not through the wrapper, while the "
+    "wrapper accumulates its gradients (the update would use a partial window). It was not "
+    "stepped; expected opt.step() on the Accumulate wrapper only (it steps the inner optimizer "
+    "at the accumulation boundary), or drop the wrapper (del opt) to step the inner optimizer "
+    "yourself."
+)
+
+
+class WindowGuard:
+    """The window's ``.grad`` tensors and learning rates as its first micro-step left them.
+
+    Attributes:
+        grads: (parameter, its ``.grad``, that gradient's version) for every parameter whose
+            window lives in ``.grad``, or None when nothing is noted (no open window of two
+            micro-steps or more, or the window buffer / AMP folding holds the window).
+        lrs: each param group's ``"lr"``, or None.
+    """
+
+    def __init__(self) -> None:
+        self.grads: list[tuple[Tensor, Tensor, int]] | None = None
+        self.lrs: list[Any] | None = None
+        self.micro_step = 0  # the window's micro-steps when they were noted
+
+    def forget(self) -> None:
+        """A new window opened, or the window's gradients moved on purpose (a checkpoint
+        loaded, rollback turned on): nothing to compare with."""
+        self.grads = self.lrs = None
+
+    def note(
+        self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None, micro_step: int
+    ) -> None:
+        """Note the state after the window's first micro-step.
+
+        Args:
+            groups: the param groups (their ``"lr"`` is noted).
+            in_grad: the parameters whose window lives in ``.grad``; None: do not note
+                gradients (AMP folding, FSDP2).
+            micro_step: the window's micro-steps so far (1).
+        """
+        self.lrs = [g.get("lr") for g in groups]
+        self.micro_step = micro_step
+        if in_grad is None:
+            self.grads = None
+            return
+        self.grads = [(p, p.grad, p.grad._version) for p in in_grad if p.grad is not None]
+
+    def wiped(self, micro_step: int, extra_writes: int) -> str | None:
+        """Why the window's gradients cannot be trusted at its close, or None.
+
+        Args:
+            micro_step: the window's micro-steps now.
+            extra_writes: in-place writes into ``.grad`` that are not accumulation (1 where
+                DDP's reducer copies the closing pass's all-reduced buckets back).
+        """
+        if self.grads is None:
+            return None
+        passes = micro_step - self.micro_step + extra_writes
+        bad = [
+            (p, what)
+            for p, g, version in self.grads
+            if (what := _change(p.grad, g, version, passes)) is not None
+        ]
+        if not bad:
+            return None
+        return WIPED.format(what=bad[0][1], count=len(bad), shape=tuple(bad[0][0].shape))
+
+    def lr_changed(self, groups: list[dict[str, Any]]) -> str | None:
+        """Why the window must not be applied with the groups' learning rates, or None."""
+        if self.lrs is None:
+            return None
+        for i, (group, before) in enumerate(zip(groups, self.lrs)):
+            after = group.get("lr")
+            if after is not before and not (isinstance(after, float) and after == before):
+                return LR_CHANGED.format(group=i, before=before, after=after)
+        return None
+
+
+def _change(now: Tensor | None, noted: Tensor, version: int, passes: int) -> str | None:
+    """How a parameter's ``.grad`` changed other than by accumulation, or None."""
+    if now is None:
+        return "set to None"
+    if noted.is_sparse:  # a sparse sum may be replaced by accumulation itself
+        return None
+    if now is not noted:
+        # out of place under create_graph=True (the new sum has a history) is accumulation
+        return None if now.grad_fn is not None else "replaced by another tensor"
+    if now._version > version + passes:
+        return "changed in place, e.g. zeroed"
+    return None
+
+
+def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
+    """The parameters whose window lives in ``.grad`` between micro-steps, or None where the
+    closing pass replaces ``.grad`` itself or AMP folds every micro-step out of it."""
+    sync, buffer = opt._sync, opt._buffer
+    module = getattr(sync, "module", None)
+    if sync.fsdp or getattr(module, "gradient_as_bucket_view", False):
+        return None
+    if buffer.loss_scale() is not None:
+        return None
+    params = params_of(opt.param_groups)
+    buffered = {id(p) for p in buffer.buffered_params(params)}
+    return [p for p in params if id(p) not in buffered] if buffered else params
+
+
+def note(opt: AccumulatingOptimizer) -> None:
+    """The window's first micro-step was counted and did not close it: note its state."""
+    opt._guard.note(opt.param_groups, _in_grad(opt), opt._window.micro_step)
+
+
+def check_close(opt: AccumulatingOptimizer) -> None:
+    """Before the window's gradient is formed: refuse a window whose ``.grad`` was wiped, and
+    pause counting until ``discard()`` (the window's sum is lost)."""
+    micro_step = opt._window.micro_step
+    problem = opt._guard.wiped(micro_step, opt._sync.grad_writes(micro_step))
+    if problem is not None:
+        opt._counter.pause("wiped")
+        raise RuntimeError(problem)
+
+
+def check_lr(opt: AccumulatingOptimizer) -> None:
+    """Before the inner step: refuse a learning rate changed inside the window (the window
+    stays closed and intact; a retried ``step()`` checks again)."""
+    problem = opt._guard.lr_changed(opt.param_groups)
+    if problem is not None:
+        raise RuntimeError(problem)

@@ -1,0 +1,194 @@
+"""How a micro-step enters the window: the wrapper's intake side.
+
+A backward pass ends (``BackwardCounter`` calls :meth:`MicroStepIntake._on_backward_end`), is
+checked (non-finite policies, the window's refusals), and is counted into the window, which may
+close it; or it is dropped alone (rollback). ``opt.backward(loss, items=n)`` and
+``opt.next_items(n)`` give a pass its item count. The runner's package-internal interface
+(deferred counting, agreed across ranks) lives here too. :class:`MicroStepIntake` is a mixin
+of ``accumopt.accumulate.AccumulatingOptimizer``, which owns every attribute it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from accumopt import _checks, _guards, _refusals
+from accumopt._backward_counter import BackwardCounter
+from accumopt._grads import params_of
+from accumopt._window import Window
+from accumopt._window_buffer import WindowBuffer
+from accumopt.distributed import GradSync, LocalSync
+
+_PER_MICRO_BATCH = ("skip_micro_batch", "raise")
+_LOG = logging.getLogger("accumopt")
+
+
+class MicroStepIntake:
+    """The micro-step side of ``Accumulate`` (see the module docstring)."""
+
+    # Owned and set by AccumulatingOptimizer.__init__
+    param_groups: list[dict[str, Any]]
+    nonfinite: str | None
+    skipped_micro_steps: int
+    buffer: bool | None
+    _window: Window
+    _buffer: WindowBuffer
+    _sync: GradSync | LocalSync
+    _counter: BackwardCounter
+    _guard: _guards.WindowGuard
+    _drop_at_step: bool
+    _defer: bool
+    _deferred: tuple[float | None] | None
+    _pending_items: float | None
+    _awaiting_end: bool
+    _close_window: Callable[[list[Tensor]], None]
+    _plan_sync: Callable[[], None]
+
+    def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
+        """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
+
+        Args:
+            loss: one-element tensor; with ``items``, the micro-batch's *summed* loss (the
+                window's gradient is then the sum over the window's total items). Under AMP
+                ``scaler.scale(loss)``. A pass that reaches no wrapped parameter still counts.
+            items: how many items (samples, tokens) ``loss`` covers: a number >= 0 or a
+                one-element tensor (one host sync).
+            **kwargs: forwarded to ``Tensor.backward``.
+
+        Raises:
+            TypeError: ``loss`` is not a one-element tensor.
+            ValueError: bad ``items``; weighted and unweighted micro-steps mixed in a window;
+                an ``every_items`` window without ``items``.
+            RuntimeError: the window is complete and waits for :meth:`step`, or a backward pass
+                failed part-way. Nothing is accumulated by a rejected call.
+        """
+        _checks.check_loss(loss)
+        weight = self._check_micro_step("backward", items)
+        self._pending_items, self._awaiting_end = weight, True
+        try:
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            if self._awaiting_end:  # the pass reached no wrapped parameter / model output
+                self._on_backward_end()
+        finally:
+            self._pending_items, self._awaiting_end = None, False
+
+    def next_items(self, items: float | Tensor) -> None:
+        """Say that the next backward pass covers ``items`` items, for a backward pass
+        accumopt does not run (``accelerator.backward``, Lightning's ``manual_backward``, a
+        Trainer's ``training_step``): then that pass is one micro-step weighted like
+        ``opt.backward(loss_sum, items=items)``, and its loss must be the *summed* loss.
+
+        Args:
+            items: a number >= 0 or a one-element tensor (one host sync).
+
+        Raises:
+            ValueError: bad ``items``; a count is already waiting for its backward pass;
+                unweighted micro-steps in the window; several ranks without a DDP/FSDP2
+                model (see :meth:`set_model`).
+            RuntimeError: the window is complete and waits for :meth:`step`, or a backward
+                pass failed part-way. Nothing changes when it raises.
+        """
+        if items is None:
+            raise ValueError(_refusals.NO_ITEMS)
+        self._pending_items = self._check_micro_step("next_items", items)
+
+    def _check_micro_step(self, api: str, items: float | Tensor | None) -> float | None:
+        """Validate a coming micro-step's ``items`` against the window; returns the count."""
+        if self._pending_items is not None:
+            raise ValueError(_refusals.pending_items(api, self._pending_items))
+        weight = _checks.check_items(items)
+        refusal = self._window.refusal(weight is not None)
+        if refusal is not None:
+            raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
+        self._check_not_paused(api)
+        if weight is not None:
+            self._sync.check_weighted()
+        return weight
+
+    def _check_not_paused(self, api: str) -> None:
+        if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
+            raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
+
+    def _on_backward_end(self) -> None:
+        """End-of-backward callback: count the micro-step (or keep it for the runner)."""
+        items, self._pending_items, self._awaiting_end = self._pending_items, None, False
+        refusal = self._window.refusal(items is not None)
+        if refusal is not None:
+            raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
+        self._window.stepped = False
+        if self._defer:
+            self._deferred = (items,)
+        else:
+            self._count(items)
+
+    def _count(self, items: float | None) -> None:
+        groups = self.param_groups
+        if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(groups):
+            if self.nonfinite == "raise":
+                self.drop_micro_step()
+                raise FloatingPointError(_refusals.nonfinite_message(self._window.micro_step + 1))
+            self.skipped_micro_steps += 1
+            _LOG.info("Accumulate: micro-step dropped (inf/NaN in its gradient)")
+            # GradScaler.step must still see the inf to back off its scale: drop it there
+            self._drop_at_step = self._buffer.loss_scale() is not None
+            return None if self._drop_at_step else self.drop_micro_step()
+        if self._window.count(self._sync.counted(items, self._window)):
+            self._close_window(params_of(groups))
+        else:
+            self._buffer.micro_step_done(groups)
+            self._plan_sync()
+            if self._window.micro_step == 1:
+                _guards.note(self)  # type: ignore[arg-type]  # the mixin's owner
+        return None
+
+    def drop_micro_step(self) -> None:
+        """Drop the micro-step in flight (``.grad`` set to None), keeping every finished one
+        (``buffer=True``, :meth:`enable_rollback`). Raises RuntimeError if the window is
+        complete or finished micro-steps live in ``.grad``."""
+        if self._window.closed or not self._buffer.separable(self._window.micro_step):
+            raise RuntimeError(_refusals.inseparable_message(self._window.closed))
+        for p in params_of(self.param_groups):
+            p.grad = None
+        _LOG.debug("Accumulate: the micro-step in flight was dropped")
+        self._pending_items = None
+        self._counter.rearm()
+        if self._deferred is not None:
+            self._deferred = None
+            self._window.stepped = True
+
+    def enable_rollback(self) -> None:
+        """Route every parameter through the window buffer from now on (``buffer=True``), so
+        that a failed micro-batch can be dropped alone; callable between micro-steps.
+
+        Raises:
+            RuntimeError: the wrapper was built with ``buffer=False``, or holds an FSDP2 model.
+        """
+        _refusals.check_rollback(self.buffer, self._sync.fsdp)
+        self._check_not_paused("enable_rollback")
+        params = params_of(self.param_groups)
+        self._buffer.route_all(params, self._window.micro_step, self._window.closed)
+        self._guard.forget()  # the window moved out of .grad on purpose
+        self._plan_sync()
+
+    # The runner's interface (package-internal), under torch.distributed: after each
+    # micro-batch all ranks agree that none ran out of memory, then all count or all drop it.
+
+    @property
+    def _ranks(self) -> GradSync | None:
+        """The cross-rank synchronisation (None in a single process)."""
+        return self._sync if isinstance(self._sync, GradSync) else None
+
+    def _defer_counting(self) -> None:
+        """Keep each finished micro-step uncounted until :meth:`_commit_deferred` (or
+        :meth:`drop_micro_step`)."""
+        self._defer = True
+
+    def _commit_deferred(self) -> None:
+        """Count the micro-step kept back since its backward pass ended (if any)."""
+        pending, self._deferred = self._deferred, None
+        if pending is not None:
+            self._count(pending[0])

@@ -1,0 +1,380 @@
+"""Issue 12 in accumopt's own loop: the torch.optim contract in full, and every way the window
+can be corrupted from outside the wrapper either exact or refused before the first wrong update.
+
+Each test is named after the path a user takes: the loops people write when they move from a
+hand-written accumulation loop, and what frameworks do to an optimizer they are handed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import assert_same_params, data, full_batch_step, mlp, mse_sum, twins
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from accumopt import Accumulate, MicroBatchRunner
+
+SIZES = [3, 1, 4]  # a ragged window of 8 rows
+
+
+def windows(acc: Accumulate, model: nn.Module, seed: int, n: int = 2) -> None:
+    for w in range(n):
+        x, y = data(seed + w, sum(SIZES))
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            acc.zero_grad()
+
+
+def reference(ref: nn.Module, seed: int, n: int = 2, lr: float = 0.1) -> None:
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for w in range(n):
+        full_batch_step(ref, opt, *data(seed + w, sum(SIZES)))
+
+
+# ---------------------------------------------------------------- the torch.optim contract
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=5))
+def test_step_with_a_closure_is_called_once_and_is_exact(sizes: list[int]) -> None:
+    """Lightning's path: optimizer.step(closure) with the forward and backward inside."""
+    ref, model = twins(mlp(71))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=len(sizes))
+    x, y = data(71, sum(sizes))
+    for i, (xb, yb) in enumerate(zip(x.split(sizes), y.split(sizes))):
+        losses: list[torch.Tensor] = []
+
+        def closure(
+            xb: torch.Tensor = xb, yb: torch.Tensor = yb, losses: list[torch.Tensor] = losses
+        ) -> torch.Tensor:
+            acc.zero_grad()
+            loss = mse_sum(model, xb, yb)
+            acc.next_items(len(xb))
+            loss.backward()
+            losses.append(loss)
+            return loss
+
+        with torch.no_grad():  # step() turns autograd on for the closure
+            returned = acc.step(closure)
+        assert len(losses) == 1 and returned is losses[0]
+        assert acc.did_update == (i == len(sizes) - 1)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    assert_same_params(model, ref)
+
+
+def test_next_items_weights_a_backward_pass_accumopt_does_not_run() -> None:
+    ref, model = twins(mlp(72))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+    for w in range(2):
+        x, y = data(72 + w, 8)
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.next_items(torch.tensor(len(xb)))
+            mse_sum(model, xb, yb).backward()
+            acc.step()
+            acc.zero_grad()
+        assert acc.did_update
+    reference(ref, 72)
+    assert_same_params(model, ref)
+
+
+def test_next_items_twice_before_a_backward_pass_is_refused_and_changes_nothing() -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(73).parameters(), lr=0.1), every=2)
+    acc.next_items(3)
+    with pytest.raises(ValueError, match=r"next_items\(3\) is still waiting"):
+        acc.next_items(4)
+    with pytest.raises(ValueError, match="still waiting"):
+        acc.backward(mse_sum(mlp(73), *data(73, 2)), items=2)
+    with pytest.raises(ValueError, match="items=None"):
+        acc.next_items(None)  # type: ignore[arg-type]
+    assert acc.micro_step == 0
+
+
+def test_last_window_reports_micro_steps_items_and_the_pre_clip_norm() -> None:
+    ref, model = twins(mlp(74))
+    x, y = data(74, 8)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (mse_sum(ref, x, y) / 8).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    ref_opt.step()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, max_grad_norm=0.01)
+    assert acc.last_window is None
+    windows(acc, model, 74, n=1)
+    report = acc.last_window
+    assert report is not None and report.updated
+    assert (report.micro_steps, report.items) == (3, 8.0)
+    assert report.grad_norm is not None
+    torch.testing.assert_close(report.grad_norm, ref_norm)
+    assert_same_params(model, ref)
+
+
+def test_max_grad_norm_inf_measures_the_norm_without_clipping() -> None:
+    ref, model = twins(mlp(75))
+    acc = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1), every=3, max_grad_norm=float("inf")
+    )
+    windows(acc, model, 75, n=1)
+    reference(ref, 75, n=1)
+    assert_same_params(model, ref)
+    report = acc.last_window
+    assert report is not None and report.grad_norm is not None and report.grad_norm > 0
+
+
+def test_a_skipped_window_is_reported_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    model = mlp(76)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    with caplog.at_level(logging.INFO, logger="accumopt"):
+        for _ in range(2):
+            acc.backward(mse_sum(model, *data(76, 2)) * 0, items=0)
+            acc.step()
+    assert acc.last_window is not None and not acc.last_window.updated
+    assert any("skipped" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------ gradients wiped or replaced mid-window
+
+
+def wipe_model_zero_grad(model: nn.Module, acc: Accumulate) -> None:
+    model.zero_grad()
+
+
+def wipe_inner_zero_grad(model: nn.Module, acc: Accumulate) -> None:
+    acc.optimizer.zero_grad()
+
+
+def wipe_grad_none(model: nn.Module, acc: Accumulate) -> None:
+    next(iter(model.parameters())).grad = None
+
+
+def wipe_in_place(model: nn.Module, acc: Accumulate) -> None:
+    model.zero_grad(set_to_none=False)
+
+
+def replace_grad(model: nn.Module, acc: Accumulate) -> None:
+    p = next(iter(model.parameters()))
+    assert p.grad is not None
+    p.grad = p.grad.clone()
+
+
+WIPES = [wipe_model_zero_grad, wipe_inner_zero_grad, wipe_grad_none, wipe_in_place, replace_grad]
+
+
+@pytest.mark.parametrize("wipe", WIPES)
+@pytest.mark.parametrize("where", [0, 1])  # after the first micro-step, after the second
+def test_own_loop_gradients_wiped_mid_window_are_refused_before_the_update(
+    wipe: object, where: int
+) -> None:
+    model = mlp(77)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    x, y = data(77, 8)
+    with pytest.raises(RuntimeError, match="replaced or cleared by code outside"):
+        for i, (xb, yb) in enumerate(zip(x.split(SIZES), y.split(SIZES))):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            if i == where:
+                wipe(model, acc)  # type: ignore[operator]
+    assert acc.updates == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(RuntimeError, match="cleared or replaced outside the wrapper"):
+        acc.step()
+    acc.discard()  # the way out: the next window trains normally
+    ref, fresh = twins(model)
+    windows(acc, model, 78, n=1)
+    reference(ref, 78, n=1)
+    assert_same_params(model, ref)
+    del fresh
+
+
+def test_own_loop_flush_of_a_wiped_window_is_refused() -> None:
+    model = mlp(79)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
+    for xb, yb in zip(*(t.split(2) for t in data(79, 4))):
+        acc.backward(mse_sum(model, xb, yb), items=2)
+        acc.step()
+        model.zero_grad()
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        acc.flush()
+    assert acc.updates == 0
+
+
+def test_create_graph_accumulation_out_of_place_is_not_a_wipe() -> None:
+    """Under create_graph=True torch accumulates out of place (.grad is a new tensor with a
+    history): that is accumulation, not a wipe."""
+    ref, model = twins(mlp(80))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    x, y = data(80, 8)
+    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+        acc.backward(mse_sum(model, xb, yb), items=len(xb), create_graph=True)
+        acc.step()
+        acc.zero_grad()
+    assert acc.did_update
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    assert_same_params(model, ref)
+
+
+# --------------------------------------------------------------- migration mistakes
+
+
+def test_own_loop_scheduler_stepped_every_micro_step_is_refused_at_the_boundary() -> None:
+    model = mlp(81)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=3)
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1, gamma=0.5)
+    x, y = data(81, 8)
+    with pytest.raises(RuntimeError, match="learning rate of param group 0 changed"):
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            sched.step()  # the mistake: every micro-step
+    assert acc.updates == 0 and acc.will_update
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    acc.param_groups[0]["lr"] = 0.5  # the way on: the window's learning rate back, step again
+    acc.step()
+    assert acc.did_update and acc.updates == 1
+    ref = mlp(81)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), x, y)
+    assert_same_params(model, ref)
+
+
+def test_own_loop_scheduler_stepped_on_real_updates_is_exact() -> None:
+    ref, model = twins(mlp(82))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=3)
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1, gamma=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for w in range(3):
+        x, y = data(82 + w, 8)
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            if acc.did_update:
+                sched.step()
+            acc.zero_grad()
+        full_batch_step(ref, ref_opt, x, y)
+        ref_sched.step()
+    assert_same_params(model, ref)
+
+
+def test_own_loop_inner_optimizer_stepped_directly_is_refused_at_the_first_call() -> None:
+    model = mlp(83)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulate(inner, every=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse_sum(model, *data(83, 2)).backward()
+    with pytest.raises(RuntimeError, match="stepped directly"):
+        inner.step()  # the mistake: the old optimizer object kept in the loop
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    del acc  # a dropped wrapper no longer guards the inner optimizer
+    inner.step()
+
+
+def test_own_loop_runner_auto_over_a_window_in_micro_steps_is_refused() -> None:
+    model = mlp(84)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
+    with pytest.raises(ValueError, match="every_items"):
+        MicroBatchRunner(acc, lambda b: mse_sum(model, *b), micro_batch_size="auto")
+    MicroBatchRunner(acc, lambda b: mse_sum(model, *b), micro_batch_size=4)  # fixed: fine
+
+
+# ------------------------------------------------------------------------- GradScaler paths
+
+
+def scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+
+
+def amp_loop(acc: Accumulate, model: nn.Module, sc: torch.amp.GradScaler, seed: int) -> None:
+    for w in range(2):
+        x, y = data(seed + w, 8)
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(sc.scale(mse_sum(model, xb, yb)), items=len(xb))
+            sc.step(acc)
+            sc.update()
+            acc.zero_grad()
+
+
+def test_timm_style_scaler_step_without_scaler_argument_is_exact() -> None:
+    """timm's NativeScaler calls scaler.step(opt) with a GradScaler the wrapper never saw."""
+    ref, model = twins(mlp(85))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    sc = scaler()
+    amp_loop(acc, model, sc, 85)
+    assert acc.updates == 2 and acc.scaler is sc
+    reference(ref, 85)
+    assert_same_params(model, ref)
+
+
+def test_scaler_step_without_scaler_after_a_folded_micro_step_is_refused() -> None:
+    model = mlp(86).to(torch.bfloat16)  # bf16 micro-steps are folded into float32 at once
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    x, y = data(86, 4)
+    sc = scaler()
+    for xb, yb in zip(x.split(2), y.split(2)):
+        sc.scale(mse_sum(model, xb.bfloat16(), yb.bfloat16()).float()).backward()
+    with pytest.raises(RuntimeError, match="without scaler="):
+        sc.step(acc)
+
+
+def test_timm_style_unscale_and_clip_every_micro_step_is_refused() -> None:
+    model = mlp(87)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    x, y = data(87, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"unscale_\(opt\) ran inside an open window"):
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(sc.scale(mse_sum(model, xb, yb)), items=len(xb))
+            sc.unscale_(acc)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # a partial sum
+            sc.step(acc)
+            sc.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(RuntimeError, match="unscale_"):
+        acc.backward(mse_sum(model, x, y), items=8)
+    acc.discard()
+
+
+def test_unscale_at_the_boundary_only_is_exact() -> None:
+    ref, model = twins(mlp(88))
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    x, y = data(88, 8)
+    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+        acc.backward(sc.scale(mse_sum(model, xb, yb)), items=len(xb))
+        if acc.will_update:
+            sc.unscale_(acc)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        sc.step(acc)
+        sc.update()
+    assert acc.did_update
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    assert_same_params(model, ref)
+
+
+# --------------------------------------------------------------------------- set_model
+
+
+def test_set_model_between_windows_counts_at_the_model_and_is_exact() -> None:
+    ref, model = twins(mlp(89))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    acc.set_model(model)
+    assert acc.model is model
+    windows(acc, model, 89)
+    reference(ref, 89)
+    assert_same_params(model, ref)
+
+
+def test_set_model_inside_a_window_is_refused_and_changes_nothing() -> None:
+    model = mlp(90)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    acc.backward(mse_sum(model, *data(90, 2)), items=2)
+    with pytest.raises(RuntimeError, match="between windows"):
+        acc.set_model(model)
+    with pytest.raises(ValueError, match="holds none of the optimizer's parameters"):
+        Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3).set_model(mlp(1))
+    assert acc.model is None and acc.micro_step == 1
