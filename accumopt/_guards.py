@@ -17,6 +17,8 @@ the closing pass replaces ``.grad`` legitimately, so only the learning rate is c
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import attrgetter, is_not, sub
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -57,21 +59,26 @@ class WindowGuard:
     """The window's ``.grad`` tensors and learning rates as its first micro-step left them.
 
     Attributes:
-        grads: (parameter, its ``.grad``, that gradient's version) for every parameter whose
-            window lives in ``.grad``, or None when nothing is noted (no open window of two
-            micro-steps or more, or the window buffer / AMP folding holds the window).
+        params: the parameters whose window lives in ``.grad`` (dense, with a gradient), or
+            None when nothing is noted (no open window of two micro-steps or more, or the
+            window buffer / AMP folding / FSDP2 holds the window).
+        grads: their ``.grad`` tensors. versions: the version counters of every
+            ``stride``-th of them.
         lrs: each param group's ``"lr"``, or None.
     """
 
     def __init__(self) -> None:
-        self.grads: list[tuple[Tensor, Tensor, int]] | None = None
+        self.params: list[Tensor] | None = None
+        self.grads: list[Tensor] = []
+        self.versions: list[int] = []
+        self.stride = 1
         self.lrs: list[Any] | None = None
         self.micro_step = 0  # the window's micro-steps when they were noted
 
     def forget(self) -> None:
         """A new window opened, or the window's gradients moved on purpose (a checkpoint
-        loaded, rollback turned on): nothing to compare with."""
-        self.grads = self.lrs = None
+        loaded, rollback turned on, a GradScaler adopted): nothing to compare with."""
+        self.params = self.lrs = None
 
     def note(
         self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None, micro_step: int
@@ -87,9 +94,16 @@ class WindowGuard:
         self.lrs = [g.get("lr") for g in groups]
         self.micro_step = micro_step
         if in_grad is None:
-            self.grads = None
+            self.params = None
             return
-        self.grads = [(p, p.grad, p.grad._version) for p in in_grad if p.grad is not None]
+        # C-level maps, once per window: every gradient's identity, the version counters of
+        # an evenly spaced sample of at most _SAMPLE (zeroing in place hits every parameter)
+        grads = list(map(_GRAD, in_grad))
+        held = list(map(is_not, grads, repeat(None)))
+        self.params = list(compress(in_grad, held))
+        self.grads = list(compress(grads, held))
+        self.stride = max(1, len(self.grads) // _SAMPLE)
+        self.versions = list(map(_VERSION, self.grads[:: self.stride]))
 
     def wiped(self, micro_step: int, extra_writes: int) -> str | None:
         """Why the window's gradients cannot be trusted at its close, or None.
@@ -99,13 +113,19 @@ class WindowGuard:
             extra_writes: in-place writes into ``.grad`` that are not accumulation (1 where
                 DDP's reducer copies the closing pass's all-reduced buckets back).
         """
-        if self.grads is None:
+        if not self.params:
             return None
-        passes = micro_step - self.micro_step + extra_writes
+        now = list(map(_GRAD, self.params))
+        passes = micro_step - self.micro_step + extra_writes  # accumulations since the note
+        if not any(map(is_not, now, self.grads)):
+            grown = map(sub, map(_VERSION, now[:: self.stride]), self.versions)
+            if max(grown) <= passes:
+                return None
+        versions = dict(zip(range(0, len(now), self.stride), self.versions))
         bad = [
             (p, what)
-            for p, g, version in self.grads
-            if (what := _change(p.grad, g, version, passes)) is not None
+            for i, (p, g, noted) in enumerate(zip(self.params, now, self.grads))
+            if (what := _change(g, noted, versions.get(i), passes)) is not None
         ]
         if not bad:
             return None
@@ -122,16 +142,22 @@ class WindowGuard:
         return None
 
 
-def _change(now: Tensor | None, noted: Tensor, version: int, passes: int) -> str | None:
-    """How a parameter's ``.grad`` changed other than by accumulation, or None."""
+_SAMPLE = 32
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
+
+
+def _change(now: Tensor | None, noted: Tensor, version: int | None, passes: int) -> str | None:
+    """How a parameter's ``.grad`` changed other than by accumulation, or None (``version``:
+    None where the parameter is not in the version sample)."""
     if now is None:
         return "set to None"
-    if noted.is_sparse:  # a sparse sum may be replaced by accumulation itself
-        return None
     if now is not noted:
-        # out of place under create_graph=True (the new sum has a history) is accumulation
-        return None if now.grad_fn is not None else "replaced by another tensor"
-    if now._version > version + passes:
+        # accumulation itself replaces a sum under create_graph=True (the new sum has a
+        # history) and may replace a sparse one
+        accumulated = now.grad_fn is not None or noted.is_sparse
+        return None if accumulated else "replaced by another tensor"
+    if version is not None and now._version > version + passes:
         return "changed in place, e.g. zeroed"
     return None
 
