@@ -23,23 +23,43 @@ if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
 
 
-def bind(opt: AccumulatingOptimizer, model: torch.nn.Module | None) -> None:
+def bind(
+    opt: AccumulatingOptimizer, model: torch.nn.Module | None, count_at: str = "outputs"
+) -> None:
     """Count ``opt``'s backward passes for ``model`` and synchronise through it (DDP/FSDP2).
 
     Every check runs before anything changes; the previous model's sync setting comes back
     and its counting hooks are removed. Used by the constructor and ``set_model``.
 
+    Args:
+        count_at: ``"outputs"`` (at the tensors ``model`` returns) or ``"parameters"`` (at
+            the parameters, as without a model: for backward passes that run before the
+            model's forward returns, e.g. Lightning's ``manual_backward`` inside DDP).
+
     Raises:
-        TypeError / ValueError: as ``Accumulate(..., model=model)`` would.
+        TypeError / ValueError: as ``Accumulate(..., model=model)`` would; a bad
+            ``count_at``, or ``"parameters"`` with an FSDP2 model (its sharded parameters
+            are not in the autograd graph).
     """
     model = _checks.check_model(model, opt.optimizer)
     distributed = is_distributed(model)
+    if count_at not in ("outputs", "parameters"):
+        raise ValueError(
+            f"Accumulate.set_model: count_at={count_at!r}; expected 'outputs' (at the tensors "
+            "the model returns) or 'parameters' (at the parameters' gradients)."
+        )
     _checks.check_policies(opt.nonfinite, opt.scaler, opt.buffer, distributed)
     params = params_of(opt.param_groups)
     sync: GradSync | LocalSync = sync_for(model, params[0].device, opt.reduce_every_micro_step)
     if isinstance(sync, GradSync):
         sync.check_fsdp(opt._window.every, opt.scaler, opt._buffer.buffer_all)
-    counter = BackwardCounter(opt._on_backward_end, model, confirm_accumulation=not sync.fsdp)
+    if count_at == "parameters" and sync.fsdp:
+        raise ValueError(
+            "Accumulate.set_model: count_at='parameters' with an FSDP2 model, whose sharded "
+            "parameters are not in the autograd graph; expected count_at='outputs'."
+        )
+    counted = model if count_at == "outputs" else None
+    counter = BackwardCounter(opt._on_backward_end, counted, confirm_accumulation=not sync.fsdp)
     counter.watch_groups(opt.param_groups)
     old_sync, old_counter = opt.__dict__.get("_sync"), opt.__dict__.get("_counter")
     if old_counter is not None:

@@ -24,6 +24,11 @@ does. ``"window"`` is None at an accumulation boundary. Formats read:
 
 A change of the entry's meaning gets a new format number, and this module keeps reading the
 older ones.
+
+Under ``torch.distributed.checkpoint`` (DCP), whose ``get_optimizer_state_dict`` keeps only
+``"state"`` and ``"param_groups"``, the entry travels packed in param group 0
+(``accumopt.integrations.dcp``). An FSDP2 window that FSDP2 still holds unreduced is refused at
+save time, in either form.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from torch import Tensor
 
 from accumopt import _grads
 from accumopt._checks import positive_int
+from accumopt.integrations import dcp
+from accumopt.integrations.dcp import dcp_init_step as dcp_init_step  # for the wrapper's step()
 
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
@@ -51,14 +58,21 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
 
     Raises:
         RuntimeError: a backward pass failed part-way and its partial gradient is still in
-            ``.grad`` (see ``discard``); a resumed run would train on it.
+            ``.grad`` (see ``discard``); a resumed run would train on it. Or an FSDP2 model's
+            open window is still inside FSDP2 (unreduced, see :func:`_check_savable`).
+        ValueError: called by DCP with ``flatten_optimizer_state_dict=True`` (DCP would drop
+            the entry at load).
 
     Mid-window the entry holds the window's position and gradients, so a run saved mid-window
     resumes bit for bit. Tensors are referenced, not copied (as in ``torch.optim``):
     ``torch.save`` or ``copy.deepcopy`` the dict before training on. A bare ``torch.optim``
-    optimizer loads it too (the extra entry is ignored).
+    optimizer loads it too (the extra entry is ignored). Called by DCP's
+    ``get_optimizer_state_dict``, the entry is packed into the first param group (see above;
+    mid-window on several ranks, a collective of all ranks, as DCP's own calls are).
     """
     opt._check_not_paused("state_dict")  # a partial gradient must not be saved as the window
+    _check_savable(opt)
+    by_dcp = dcp.caller_checked()  # refuses DCP's flattened form
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
     state = opt.optimizer.state_dict()
@@ -68,7 +82,7 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
         grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}
         window = {**opt._window.position(), "grads": grads, **opt._buffer.contents(params)}
     every, every_items, reduction = opt._window.settings()
-    state[KEY] = {
+    entry = {
         "format": FORMAT,
         "every": every,
         "every_items": every_items,
@@ -78,6 +92,10 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
         "schedule": {"scheduled": opt._window.schedule is not None, **opt._window.progress()},
         "noise_scale": None if opt.noise_scale is None else opt.noise_scale.state_dict(),
     }
+    if by_dcp:
+        state["param_groups"][0][KEY] = dcp.pack(opt, entry)
+    else:
+        state[KEY] = entry
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state)
         if result is not None:
@@ -92,8 +110,8 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     Raises:
         TypeError: ``state_dict`` is not a dict.
         ValueError: its ``"accumopt"`` entry has a format this version cannot read, or holds
-            an open window saved with other window settings or for other parameter shapes.
-            Nothing is changed then.
+            an open window saved with other window settings, for other parameter shapes, on
+            another number of ranks or shards; or a DCP entry is damaged. Nothing is changed.
     """
     if not isinstance(state_dict, dict):
         raise TypeError(
@@ -104,6 +122,7 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         result = pre_hook(opt, state_dict)
         if result is not None:
             state_dict = result
+    state_dict = dcp.unpack(opt, state_dict, KEY)
     extra = state_dict.get(KEY)
     params = _grads.params_of(opt.param_groups)
     window = _check_entry(opt, extra, params)
@@ -204,6 +223,26 @@ def _check_position(window: dict[str, Any]) -> None:
             "bool, closed and stepped bools, unfolded an int >= 0, as state_dict() writes them. "
             "The checkpoint was changed or damaged: load an intact one. Nothing was changed."
         )
+
+
+def _check_savable(opt: AccumulatingOptimizer) -> None:
+    """Refuse to save an FSDP2 window that FSDP2 still holds: micro-steps run without gradient
+    sync add up in FSDP2's unsharded gradients, not in ``.grad``, until the closing micro-step
+    reduce-scatters them; no state dict reaches them (RuntimeError, nothing changed)."""
+    window, ranks = opt._window, opt._ranks
+    if ranks is None or not ranks.fsdp or not window.micro_step or window.closed:
+        return
+    if ranks.reduce_every_micro_step:  # every micro-step was reduce-scattered into .grad
+        return
+    raise RuntimeError(
+        f"Accumulate.state_dict: the open window ({window.micro_step} of {window.every} "
+        "micro-steps) of this FSDP2 model is held by FSDP2 itself, in unsharded gradients not "
+        "yet reduce-scattered into .grad, which no state dict reaches; expected a save at an "
+        "accumulation boundary (opt.micro_step == 0, e.g. when opt.did_update), once the "
+        "window is complete (opt.will_update, before step()), or a wrapper built with "
+        "reduce_every_micro_step=True (its sharded .grad holds the window). Nothing was saved; "
+        "the window is intact."
+    )
 
 
 _SETTINGS = (

@@ -34,6 +34,7 @@ class MicroStepIntake:
     param_groups: list[dict[str, Any]]
     nonfinite: str | None
     skipped_micro_steps: int
+    did_update: bool
     buffer: bool | None
     _window: Window
     _buffer: WindowBuffer
@@ -45,6 +46,7 @@ class MicroStepIntake:
     _deferred: tuple[float | None] | None
     _pending_items: float | None
     _awaiting_end: bool
+    _consistent: bool
     _close_window: Callable[[list[Tensor]], None]
     _plan_sync: Callable[[], None]
 
@@ -68,8 +70,8 @@ class MicroStepIntake:
         """
         _checks.check_loss(loss)
         weight = self._check_micro_step("backward", items)
-        self._pending_items, self._awaiting_end = weight, True
         try:
+            self._pending_items, self._awaiting_end = weight, True
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
             if self._awaiting_end:  # the pass reached no wrapped parameter / model output
                 self._on_backward_end()
@@ -114,28 +116,53 @@ class MicroStepIntake:
             raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
 
     def _on_backward_end(self) -> None:
-        """End-of-backward callback: count the micro-step (or keep it for the runner)."""
+        """End-of-backward callback: count the micro-step (or keep it for the runner).
+
+        Counting stays paused (reason ``"interrupted"``) until this bookkeeping is done: the
+        counter's end-of-pass callback re-arms after it returns; ``backward()`` of a pass that
+        reached nothing (armed on entry) re-arms here."""
+        armed = not self._counter.paused
+        self._counter.pause("interrupted")
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
         refusal = self._window.refusal(items is not None)
         if refusal is not None:
             raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
-        self._window.stepped = False
+        # did_update describes the last step() until the next micro-step (gated loops)
+        self._window.stepped, self.did_update = False, False
         if self._defer:
             self._deferred = (items,)
         else:
             self._count(items)
+        if armed:
+            self._counter.rearm()
+
+    def _transaction(self, body: Callable[[], Any]) -> Any:
+        """Run ``body`` with counting paused (reason ``"interrupted"``) until it returns: an
+        exception at any line leaves the wrapper refusing until ``discard()``, never half
+        changed. Where ``body`` sets :attr:`_consistent` before a call that may raise (the
+        inner optimizer's step, a refusal), that exception leaves the wrapper usable."""
+        self._counter.pause("interrupted")
+        self._consistent = False
+        try:
+            result = body()
+        except BaseException:
+            if self._consistent:
+                self._counter.rearm()
+            raise
+        self._counter.rearm()
+        return result
 
     def _count(self, items: float | None) -> None:
         groups = self.param_groups
         if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(groups):
             if self.nonfinite == "raise":
-                self.drop_micro_step()
+                self._drop()
                 raise FloatingPointError(_refusals.nonfinite_message(self._window.micro_step + 1))
             self.skipped_micro_steps += 1
             _LOG.info("Accumulate: micro-step dropped (inf/NaN in its gradient)")
             # GradScaler.step must still see the inf to back off its scale: drop it there
             self._drop_at_step = self._buffer.loss_scale() is not None
-            return None if self._drop_at_step else self.drop_micro_step()
+            return None if self._drop_at_step else self._drop()
         if self._window.count(self._sync.counted(items, self._window)):
             self._close_window(params_of(groups))
         else:
@@ -149,6 +176,11 @@ class MicroStepIntake:
         """Drop the micro-step in flight (``.grad`` set to None), keeping every finished one
         (``buffer=True``, :meth:`enable_rollback`). Raises RuntimeError if the window is
         complete or finished micro-steps live in ``.grad``."""
+        if self._counter.paused_reason == "interrupted":
+            raise RuntimeError(_refusals.paused_message("drop_micro_step", "interrupted"))
+        self._drop()
+
+    def _drop(self) -> None:
         if self._window.closed or not self._buffer.separable(self._window.micro_step):
             raise RuntimeError(_refusals.inseparable_message(self._window.closed))
         for p in params_of(self.param_groups):
@@ -169,6 +201,9 @@ class MicroStepIntake:
         """
         _refusals.check_rollback(self.buffer, self._sync.fsdp)
         self._check_not_paused("enable_rollback")
+        self._transaction(self._route_all)
+
+    def _route_all(self) -> None:
         params = params_of(self.param_groups)
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)
         self._guard.forget()  # the window moved out of .grad on purpose
@@ -191,4 +226,4 @@ class MicroStepIntake:
         """Count the micro-step kept back since its backward pass ended (if any)."""
         pending, self._deferred = self._deferred, None
         if pending is not None:
-            self._count(pending[0])
+            self._transaction(lambda: self._count(pending[0]))

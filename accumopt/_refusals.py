@@ -98,6 +98,11 @@ def pending_items(api: str, pending: float) -> str:
 
 
 _PAUSED = {
+    "interrupted": (
+        "an earlier call into the wrapper was interrupted part-way (an exception such as "
+        "KeyboardInterrupt while it updated its state), so the open window cannot be trusted; "
+        "expected opt.discard() first (it drops the window and always completes)."
+    ),
     "wiped": (
         "the gradients of the open window were cleared or replaced outside the wrapper (see "
         "the error raised then); expected opt.discard() to drop the window first."

@@ -60,6 +60,18 @@ class WindowReport:
     updated: bool
 
 
+_EMPTY = {
+    "micro_step": 0,
+    "items": 0.0,
+    "weighted": None,
+    "closed": False,
+    "done": False,
+    "inner_base": None,
+    "skip": None,
+}
+"""An empty window's position (see :class:`Window`)."""
+
+
 class Window:
     """The open window's position, and the rules above.
 
@@ -88,6 +100,14 @@ class Window:
         ValueError: the schedule gives a bad size for the first window.
     """
 
+    micro_step: int
+    items: float
+    weighted: bool | None
+    closed: bool
+    done: bool
+    inner_base: int | None  # the inner optimizer's steps before this window's update
+    skip: bool | None  # whether this window's update is skipped (decided once)
+
     def __init__(self, every: Any, every_items: Any, reduction: str) -> None:
         self.in_items = every_items is not None
         size = every_items if self.in_items else every
@@ -115,12 +135,8 @@ class Window:
         Raises:
             ValueError: the schedule gave a bad size (see :meth:`size_problem`).
         """
-        # plain stores, no call between them: a KeyboardInterrupt lands before or after all
-        self.micro_step = 0
-        self.items = 0.0
-        self.weighted: bool | None = None
-        self.closed = False
-        self.done = False
+        # one C call (dict.update): a KeyboardInterrupt lands before or after all of them
+        self.__dict__.update(_EMPTY)
         try:
             error = None if self.schedule is None else self.resize()
         finally:
@@ -166,11 +182,12 @@ class Window:
         )
 
     def applied(self, updates: int) -> int:
-        """The closed window's update was applied (``updates`` before it): count its items
-        as seen; return the new update count."""
-        self.done = True  # from here on a retried step() only resets (the update is applied)
-        self.updates = updates + 1
-        self.items_seen += self.items
+        """The closed window's update was applied (``updates`` before it): count it and its
+        items as seen, once (a retried step() after a failed reset calls it again); return
+        the update count."""
+        if not self.done:  # plain stores, no call between them: an interrupt lands before/after
+            seen = self.items_seen + self.items
+            self.updates, self.items_seen, self.done = updates + 1, seen, True
         return self.updates
 
     def report(self, grad_norm: Tensor | None, updated: bool) -> WindowReport:

@@ -77,6 +77,7 @@ class WindowBuffer:
         self.found_inf: Tensor | None = None
         self.unfolded = 0
         self.final = False  # the closed window's gradient is unscaled and clipped
+        self.unscaled = False  # the closed window's gradient was divided by the loss scale
         self.grad_norm: Tensor | None = None  # its pre-clip norm, when clipping is on
 
     def loss_scale(self) -> Tensor | None:
@@ -134,8 +135,9 @@ class WindowBuffer:
         self.note_found_inf(found_inf)
         if not closed:
             self.fold_scaled(params, grad_scale)
-        elif grad_scale is not None:
+        elif grad_scale is not None and not self.unscaled:  # not again on a retried step()
             _grads.div_(_grads.grads_of(params), grad_scale)
+            self.unscaled = True
 
     def inf_flag(self, opt: object, found_inf: Tensor | int) -> Tensor:
         """The micro-step's inf/NaN flag as ``GradScaler.step`` hands it. A micro-step that
@@ -218,8 +220,9 @@ class WindowBuffer:
         """Unscale the closed window's gradient by the current loss scale (``flush()`` outside
         ``scaler.step``), remembering any inf/NaN."""
         scale = self.loss_scale()
-        if scale is not None and not self.final:
+        if scale is not None and not self.unscaled:
             self.note_found_inf(_grads.unscale_(_grads.grads_of(params), scale))
+            self.unscaled = True
 
     def finalize(self, params: list[Tensor], max_grad_norm: float | None) -> None:
         """Clip the closed window's (unscaled) gradient, once, keeping its pre-clip norm in

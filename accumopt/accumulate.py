@@ -53,7 +53,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         every: micro-steps per update (int >= 1), or ``every_items``: items per update; either
             may be a schedule (``accumopt.schedules``). noise_scale: see ``accumopt.noise``.
         reduction: ``"mean"`` (default) or ``"sum"`` (padertorch's summed gradients).
-        max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step.
+        max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step
+            (``inf``: measure it only, :attr:`last_window`); the attribute may be set
+            between steps (read at each boundary).
         scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``: each micro-step is
             unscaled with its own loss scale.
         buffer: where finished micro-steps are summed: None, a float32 buffer for bf16/fp16
@@ -67,7 +69,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
 
     Attributes:
         optimizer: the inner optimizer. updates (int): inner steps applied. did_update (bool):
-            whether the last :meth:`step`/:meth:`flush` updated. skipped_micro_steps (int).
+            whether the last :meth:`step`/:meth:`flush` updated (False again once the next
+            micro-step is counted). skipped_micro_steps (int). last_window
+            (:class:`~accumopt._window.WindowReport` | None): the last boundary.
 
     Raises:
         TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not
@@ -156,6 +160,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         Returns:
             The closure's return value (the loss), or None without a closure.
 
+        A zero step from ``torch.distributed.checkpoint``'s state initialisation (no backward
+        pass, every lr 0, zero gradients, no inner state) is run as DCP expects.
+
         Raises:
             RuntimeError: no backward pass since the last ``step()``; a backward pass failed
                 part-way (see :meth:`discard`); a learning rate changed inside the window; a
@@ -182,11 +189,13 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self) -> None:
+        amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
+        if self._window.stepped and not amp and _checkpoint.dcp_init_step(self):
+            return None  # torch.distributed.checkpoint's state initialisation (a zero step)
         if self._thread is None:
             self._thread = get_ident()
         elif self._thread != get_ident():  # a second thread: refused there and everywhere
             self._counter.pause("thread")
-        amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
         if amp and self.scaler is None:  # scaler.step(opt) on a wrapper built without scaler=
             _binding.adopt_scaler(self)
         scaled = self._buffer.loss_scale() is not None
@@ -195,13 +204,16 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
             raise problem
+        self._transaction(lambda: self._step_body(amp))
+
+    def _step_body(self, amp: bool) -> None:
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
         closed = self._window.closed  # a boundary counts as stepped once the inner step ran
         self._window.stepped, self.did_update = not closed, False
         if self._drop_at_step:
             self._drop_at_step = False
-            self.drop_micro_step()
-            return None
+            self._drop()
+            return
         params = params_of(self.param_groups)
         if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
             found = self._buffer.inf_flag(self, self.__dict__["found_inf"])
@@ -210,31 +222,41 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if closed:
             self._finish_window(params)
             self._window.stepped = True
-        return None
 
     _profiled_step = torch.optim.Optimizer.profile_hook_step(_step)
 
     def _finish_window(self, params: list[Tensor]) -> None:
-        """Step the inner optimizer on the window's gradient (or skip it), then reset."""
-        check_finite = self.nonfinite == "skip_window"
-        if self._window.done:  # applied already, only the reset failed: a retry finishes it
-            self.did_update = True
-        elif self._window.divisor() is None or self._buffer.skip_window(params, check_finite):
+        """Step the inner optimizer on the window's gradient (or skip it), then reset.
+
+        Retried after any failure (inside a transaction), it does what is left: whether the
+        update was applied is read from the inner optimizer's step count against the count
+        before the window's first attempt (so an update is never applied twice), and the skip
+        decision is taken once."""
+        window = self._window
+        if window.inner_base is None:  # the first attempt
+            window.inner_base = self._inner_steps[0]
+        # From here a failure leaves a window that a retried step() finishes (it redoes only
+        # what is left), except while the gradient is clipped in place.
+        self._consistent = True
+        if window.skip is None:
+            finite = self.nonfinite == "skip_window"
+            window.skip = window.divisor() is None or self._buffer.skip_window(params, finite)
+        if window.skip:
             self.optimizer.zero_grad(set_to_none=True)
             _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
-        else:
+        elif self._inner_steps[0] == window.inner_base:
             _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
+            self._consistent = False
             self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even on a retry
-            before = self._inner_steps[0]
-            self._inner_stepping = True
-            try:  # if it raises before updating, the window stays closed: step() retries it
+            self._inner_stepping = self._consistent = True
+            try:  # raising before or after updating, the window stays closed: step() retries
                 self.optimizer.step()
-            finally:  # updated, even if a post hook raised after it: the window is applied
+            finally:
                 self._inner_stepping = False
-                if self._inner_steps[0] > before:
-                    self.updates, self.did_update = self._window.applied(self.updates), True
-        self.last_window = self._window.report(self._buffer.grad_norm, self.did_update)
-        self._reset_window()
+        if self._inner_steps[0] > window.inner_base:  # applied (a post hook may have raised)
+            self.updates, self.did_update = window.applied(self.updates), True
+        self.last_window = window.report(self._buffer.grad_norm, self.did_update)
+        self._reset_window()  # a schedule's bad size for the next one raises after it
 
     def flush(self) -> bool:
         """Apply the open, partial window now (epoch end), then clear the gradients; returns
@@ -244,6 +266,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._sync.release(self._window, flushing=True)  # all ranks flush; DDP syncs again
         if self._window.micro_step == 0:
             return False
+        return bool(self._transaction(self._flush))
+
+    def _flush(self) -> bool:
         params = params_of(self.param_groups)
         if not self._window.closed:
             self._close_window(params)
@@ -256,35 +281,42 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     def discard(self) -> None:
         """Drop the open window (gradients and counters; the inner optimizer is untouched): the
         way out after a backward pass that failed part-way (also :meth:`drop_micro_step`)."""
+        self._counter.pause("interrupted")  # re-armed once done: an interrupted discard() refuses
         self._restart(clear_grads=True)
         self._sync.release(self._window)
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:
+        """An empty window, counting re-armed (``discard()``, a checkpoint load)."""
         if clear_grads:
             self.optimizer.zero_grad(set_to_none=True)
-        self._counter.rearm()
         self._reset_window()
         self._window.stepped = True
+        self._counter.rearm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients only when no window is open: a no-op inside a window, so calling it
         every micro-step never wipes it (:meth:`discard` drops a window on purpose)."""
-        if self._window.micro_step == 0:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-            # once per window: count parameters unfrozen since the last look
-            self._counter.watch_groups(self.param_groups)
-            self._counter.rearm()  # no gradient is left over from a pass that died
+        if self._window.micro_step == 0:  # re-armed at the end: no gradient is left over
+            self._transaction(lambda: self._zero_grad(set_to_none))
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        # once per window: count parameters unfrozen since the last look
+        self._counter.watch_groups(self.param_groups)
 
     def _reset_window(self) -> None:
         self._guard.forget()
         self._buffer.reset()
         self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
 
-    def set_model(self, model: torch.nn.Module) -> None:
+    def set_model(self, model: torch.nn.Module, *, count_at: str = "outputs") -> None:
         """Tell the wrapper the model its losses come from, after it was built: the same as
         ``Accumulate(..., model=model)``. For frameworks that wrap the model (DDP, FSDP2) after
         the optimizer exists: Accelerate's ``prepare``, the HF Trainer, Lightning strategies.
+        ``count_at="parameters"`` counts backward passes at the parameters (not at the
+        model's outputs) while syncing through the model: for a backward pass run inside the
+        model's forward (Lightning's ``manual_backward`` under DDP); not for FSDP2.
 
         Raises:
             RuntimeError: a window is open (call it between windows: before the first
@@ -295,7 +327,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if self._window.micro_step:
             raise RuntimeError(_refusals.SET_MODEL_IN_WINDOW)
         self._check_not_paused("set_model")
-        _binding.bind(self, model)
+        _binding.bind(self, model, count_at)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (and count backward passes through it)."""

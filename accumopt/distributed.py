@@ -189,6 +189,7 @@ class GradSync:
         self._enabled = True  # FSDP2's default (it has no public getter)
         own = self._own = self._enabled if self.fsdp else bool(module.require_backward_grad_sync)
         self._released = False  # the module's own setting is in force until a micro-step
+        self._planned = own  # the sync setting plan_next chose for the next pass
         self._window: Window | None = None
         self._closing_planned = self._checked_before = self._closing_checked = False
         hook = module.register_forward_pre_hook(_before_forward(weakref.ref(self)), prepend=True)
@@ -241,16 +242,20 @@ class GradSync:
         self._released = self._released and window.micro_step == 0 and not window.closed
         self._closing_planned = False
         if self._released:
-            self.set_sync(self._own)
+            self._planned = self._own
         elif self.reduce_every_micro_step:
-            self.set_sync(True)
+            self._planned = True
         else:
             grad_only = buffer.grad_only(_grads.params_of(param_groups))
             self._closing_planned = grad_only and window.next_closes()
-            self.set_sync(self._closing_planned)
+            self._planned = self._closing_planned
+        self.set_sync(self._planned)
 
     def before_forward(self) -> None:
-        """A forward pass that DDP/FSDP2 will sync as the closing micro-step: agree first."""
+        """Before each forward: the planned sync setting again (a ``no_sync()`` exit restores
+        an old one; released: the module's own); the ranks agree before a closing forward."""
+        if not self._released:
+            self.set_sync(self._planned)
         window = self._window
         if window is None or not self._closing_planned or self._checked_before:
             return

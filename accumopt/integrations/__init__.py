@@ -7,4 +7,6 @@ dependency of accumopt's core; ``pip install "accumopt[lightning]"`` (``[transfo
 - :mod:`accumopt.integrations.lightning`: Lightning's automatic and manual optimization.
 - :mod:`accumopt.integrations.hf_trainer`: the Hugging Face ``transformers.Trainer``.
 - :mod:`accumopt.integrations.accelerate`: Hugging Face Accelerate's ``prepare``.
+- :mod:`accumopt.integrations.dcp`: ``torch.distributed.checkpoint`` (package-internal: DCP
+  takes the plain wrapper, nothing to call).
 """
