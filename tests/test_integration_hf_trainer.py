@@ -1,0 +1,565 @@
+"""The Hugging Face Trainer integration (accumopt.integrations.hf_trainer), in float64.
+
+Every equivalence is against the *same* ``transformers.Trainer`` at the full effective batch
+without accumulation (``per_device_train_batch_size = micro-batch * every``), with SGD and the
+Trainer's own linear LR schedule: rel = ||theta - theta_full|| / ||theta_full - theta_0||.
+The data is CPython's pydoc topics as characters (variable lengths, padded per batch), with a
+ragged last micro-batch and a short last window in every epoch.
+
+HF's ``ForCausalLMLoss`` upcasts logits to float32 (``logits.float()``), which would cap any
+float64 comparison near 1e-8; the models here use the same loss in float64 (``f64_causal_loss``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pydoc_data.topics import topics
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install '.[transformers]')"
+)
+pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (pip install '.[transformers]')"
+)
+
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from accumopt import Accumulate, MicroBatchRunner
+from accumopt.integrations import hf_trainer
+from accumopt.integrations.hf_trainer import AccumulateTrainer
+
+MICRO, EVERY, EPOCHS, SAMPLES = 2, 4, 2, 21  # 11 micro-batches per epoch: 4 + 4 + 3, the last of 1
+LR, CLIP = 0.5, 1.0  # CLIP clips some windows of the GPT-2 below and not others
+
+TEXT = "\n\n".join(topics.values())
+VOCAB = sorted(set(TEXT))
+IDS = {c: i + 1 for i, c in enumerate(VOCAB)}  # 0 pads
+PARAGRAPHS = [p for p in TEXT.split("\n\n") if len(p) > 40]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only contend on a busy 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def sequences(n: int, seed: int = 0, shifted: bool = False) -> list[dict[str, list[int]]]:
+    """``n`` character sequences of 4..30 ids; ``shifted``: labels are the next characters."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(4, 30, (1,), generator=g))
+        ids = [IDS[c] for c in PARAGRAPHS[(7 * i + seed) % len(PARAGRAPHS)][: length + 1]]
+        x, y = (ids[:-1], ids[1:]) if shifted else (ids[:-1], ids[:-1])
+        out.append({"input_ids": x, "labels": y})
+    return out
+
+
+def collate(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Right padding to the batch's longest sequence; padded labels are -100."""
+    width = max(len(f["input_ids"]) for f in features)
+    batch = {
+        "input_ids": torch.zeros(len(features), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(features), width, dtype=torch.long),
+        "labels": torch.full((len(features), width), -100, dtype=torch.long),
+    }
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        batch["input_ids"][row, :n] = torch.tensor(f["input_ids"])
+        batch["attention_mask"][row, :n] = 1
+        batch["labels"][row, :n] = torch.tensor(f["labels"])
+    return batch
+
+
+def f64_causal_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss without its float32 upcast."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(
+        logits.reshape(-1, vocab_size),
+        shift_labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def gpt2(seed: int = 0) -> nn.Module:
+    """A 2-layer GPT-2 from config (accepts loss kwargs; shifts labels itself), float64."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(VOCAB) + 1,
+        n_positions=64,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = GPT2LMHeadModel(config).double()
+    model.loss_function = f64_causal_loss
+    model.loss_type = "ForCausalLM"  # what LlamaForCausalLM gets from its name; GPT-2 does not
+    return model
+
+
+class CharMLP(nn.Module):
+    """A model without loss kwargs (``forward`` has no ``**kwargs``): mean CE over its labels."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(len(VOCAB) + 1, 12, dtype=torch.float64)
+        self.hidden = nn.Linear(12, 24, dtype=torch.float64)
+        self.head = nn.Linear(24, len(VOCAB) + 1, dtype=torch.float64)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: Any = None, labels: Any = None
+    ) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.hidden(self.embed(input_ids))))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def targs(tmp: str, batch: int, **kwargs: Any) -> TrainingArguments:
+    settings: dict[str, Any] = {
+        "output_dir": tmp,
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "save_strategy": "no",
+        "per_device_train_batch_size": batch,
+        "num_train_epochs": EPOCHS,
+        "learning_rate": LR,
+        "logging_steps": 1,
+        "max_grad_norm": CLIP,
+        "seed": 0,
+    }
+    settings.update(kwargs)
+    return TrainingArguments(**settings)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def rel(model: nn.Module, reference: nn.Module, theta0: torch.Tensor) -> float:
+    full = flat(reference)
+    return float((flat(model) - full).norm() / (full - theta0).norm())
+
+
+def run_full(tmp: str, model: nn.Module, data: list[Any], **kwargs: Any) -> Trainer:
+    """The reference: the same Trainer at the full batch, no accumulation."""
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = Trainer(
+        model=model,
+        args=targs(tmp, MICRO * EVERY, **kwargs),
+        train_dataset=data,
+        data_collator=collate,
+        optimizers=(sgd, None),
+    )
+    trainer.train()
+    return trainer
+
+
+def accumulate_trainer(
+    tmp: str,
+    model: nn.Module,
+    data: list[Any],
+    every: int = EVERY,
+    callbacks: Any = None,
+    **kwargs: Any,
+) -> AccumulateTrainer:
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=every)
+    return AccumulateTrainer(
+        model=model,
+        args=targs(tmp, MICRO, **kwargs),
+        train_dataset=data,
+        data_collator=collate,
+        optimizers=(opt, None),
+        callbacks=callbacks,
+    )
+
+
+def logged(trainer: Trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs() -> Iterator[dict[str, Any]]:
+    """The GPT-2 trained by the full-batch Trainer and by AccumulateTrainer (shared)."""
+    torch.set_default_dtype(torch.float64)
+    data, base = sequences(SAMPLES), gpt2()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run_full(tmp, copy.deepcopy(base), data)
+        trainer = accumulate_trainer(tmp, copy.deepcopy(base), data)
+        trainer.train()
+        yield {"base": base, "data": data, "reference": reference, "trainer": trainer}
+
+
+# ---------------------------------------------------------------------- equivalence
+
+
+def check_same_run(trainer: AccumulateTrainer, reference: Trainer, theta0: torch.Tensor) -> float:
+    r = rel(trainer.model, reference.model, theta0)
+    assert r <= 1e-12, r
+    updates = EPOCHS * math.ceil(SAMPLES / MICRO / EVERY)  # 3 per epoch, the last one short
+    assert trainer.state.global_step == reference.state.global_step == updates
+    assert trainer.accumulate.updates == updates
+    assert logged(trainer, "learning_rate") == logged(reference, "learning_rate")
+    for key in ("loss", "grad_norm"):  # the window's token-mean loss and pre-clip norm
+        torch.testing.assert_close(logged(trainer, key), logged(reference, key), rtol=1e-12, atol=0)
+    return r
+
+
+def test_hf_trainer_token_weighted_equals_full_batch_with_loss_kwargs(
+    gpt2_runs: dict[str, Any],
+) -> None:
+    trainer, reference = gpt2_runs["trainer"], gpt2_runs["reference"]
+    assert trainer.model_accepts_loss_kwargs and trainer.args.gradient_accumulation_steps == EVERY
+    norms = logged(trainer, "grad_norm")
+    assert min(norms) < CLIP < max(norms)  # clipping was active for some windows only
+    check_same_run(trainer, reference, flat(gpt2_runs["base"]))
+
+
+def test_hf_trainer_token_weighted_equals_full_batch_without_loss_kwargs() -> None:
+    data, base = sequences(SAMPLES, seed=3, shifted=True), CharMLP()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run_full(tmp, copy.deepcopy(base), data)
+        model = copy.deepcopy(base)
+        # a plain optimizer and gradient_accumulation_steps: wrapped in Accumulate(every=4)
+        trainer = AccumulateTrainer(
+            model=model,
+            args=targs(tmp, MICRO, gradient_accumulation_steps=EVERY),
+            train_dataset=data,
+            data_collator=collate,
+            optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+        )
+        trainer.train()
+    assert not trainer.model_accepts_loss_kwargs
+    assert trainer.accumulate.every == EVERY
+    check_same_run(trainer, reference, flat(base))
+
+
+def test_hf_trainer_micro_batch_without_tokens_adds_nothing() -> None:
+    data = sequences(8, seed=5)
+    for i in (2, 3):  # the second micro-batch (sequential order) has no token with a loss
+        data[i] = {"input_ids": data[i]["input_ids"], "labels": [-100] * len(data[i]["labels"])}
+    base = gpt2()
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = {"train_sampling_strategy": "sequential", "num_train_epochs": 1}
+        reference = run_full(tmp, copy.deepcopy(base), data, **extra)
+        trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, **extra)
+        trainer.train()
+    assert trainer.accumulate.updates == 1
+    assert rel(trainer.model, reference.model, flat(base)) <= 1e-12
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+class Interrupt(TrainerCallback):
+    """A preemption: writes a checkpoint with a closed window before update ``closed_at + 1``
+    is applied (where the Trainer's JIT/SIGTERM checkpoint writes it, ``on_pre_optimizer_step``),
+    then one mid-window, ``open_micro`` micro-batches into window ``open_at + 1``, and stops."""
+
+    def __init__(
+        self, open_at: int, open_micro: int, closed_at: int | None = None, rename: bool = True
+    ) -> None:
+        self.trainer: AccumulateTrainer | None = None
+        self.open_at, self.open_micro, self.closed_at = open_at, open_micro, closed_at
+        self.rename = rename  # checkpoint-{global_step} -> "closed" / "open"
+
+    def save(self, name: str) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        trainer._save_checkpoint(trainer.model, trial=None)  # as the JIT checkpoint does
+        out = trainer.args.output_dir
+        if self.rename:
+            saved = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
+            os.rename(saved, os.path.join(out, name))
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.closed_at:
+            self.save("closed")
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        assert self.trainer is not None
+        opt = self.trainer.accumulate
+        if state.global_step == self.open_at and opt.micro_step == self.open_micro:
+            self.save("open")
+            control.should_training_stop = True
+
+
+def interrupted(tmp: str, base: nn.Module, data: list[Any], stop: Interrupt, **kw: Any) -> None:
+    first = accumulate_trainer(tmp, copy.deepcopy(base), data, callbacks=[stop], **kw)
+    stop.trainer = first
+    first.train()
+    assert first.accumulate.micro_step == stop.open_micro
+    assert first.state.global_step == stop.open_at
+
+
+@pytest.mark.parametrize("where", ["open", "closed", "checkpoint-1"])
+def test_hf_trainer_resume_from_checkpoint_is_bit_for_bit(
+    gpt2_runs: dict[str, Any], where: str
+) -> None:
+    base, data, done = gpt2_runs["base"], gpt2_runs["data"], gpt2_runs["trainer"]
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Interrupt(open_at=2, open_micro=2, closed_at=0)
+        interrupted(tmp, base, data, stop, save_strategy="steps", save_steps=1)
+        window = os.path.join(tmp, where, hf_trainer.WINDOW_FILE.format(rank=0))
+        assert os.path.isfile(window) == (where != "checkpoint-1")
+        resumed = accumulate_trainer(tmp, copy.deepcopy(base), data)
+        resumed.train(resume_from_checkpoint=os.path.join(tmp, where))
+        if where == "open":  # without this rank's window file the checkpoint is refused
+            os.remove(window)
+            again = accumulate_trainer(tmp, copy.deepcopy(base), data)
+            with pytest.raises(RuntimeError, match="written mid-window but has no"):
+                again.train(resume_from_checkpoint=os.path.join(tmp, where))
+    assert resumed.state.global_step == done.state.global_step
+    assert resumed.accumulate.updates == done.accumulate.updates
+    for p, q in zip(resumed.model.parameters(), done.model.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------- DDP, 2 gloo ranks
+
+
+def ddp_scenario(rank: int) -> dict[str, Any]:
+    """On each of 2 ranks: the full-batch Trainer, AccumulateTrainer (every=3), and a run
+    stopped mid-window and resumed. Accelerate's even_batches is off, so that neither run
+    repeats samples to even out the ranks' last batches."""
+    import shutil
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    shared = [tempfile.mkdtemp() if rank == 0 else ""]
+    dist.broadcast_object_list(shared, src=0)  # one output folder for both ranks
+    tmp = shared[0]
+    data, base = sequences(19, seed=1), gpt2()  # per rank 5 micro-batches: 3 + 2, one ragged
+    extra: dict[str, Any] = {"accelerator_config": {"even_batches": False}, "num_train_epochs": 1}
+    out: dict[str, Any] = {}
+    reference = copy.deepcopy(base)
+    Trainer(
+        model=reference,
+        args=targs(tmp, MICRO * 3, **extra),
+        train_dataset=data,
+        data_collator=collate,
+        optimizers=(torch.optim.SGD(reference.parameters(), lr=LR), None),
+    ).train()
+    trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, every=3, **extra)
+    trainer.train()
+    out["rel"] = rel(trainer.model, reference, flat(base))
+    out["ddp"] = type(trainer.accumulate.model).__name__
+    out["updates"] = (trainer.accumulate.updates, trainer.state.global_step)
+    out["grad_norm"] = logged(trainer, "grad_norm")
+    stop = Interrupt(open_at=1, open_micro=1, rename=False)  # checkpoint-1, mid-window
+    interrupted(tmp, base, data, stop, every=3, **extra)
+    path = os.path.join(tmp, "checkpoint-1")
+    out["window_file"] = os.path.isfile(
+        os.path.join(path, hf_trainer.WINDOW_FILE.format(rank=rank))
+    )
+    resumed = accumulate_trainer(tmp, copy.deepcopy(base), data, every=3, **extra)
+    resumed.train(resume_from_checkpoint=path)
+    out["resumed_equal"] = all(
+        torch.equal(p, q) for p, q in zip(resumed.model.parameters(), trainer.model.parameters())
+    )
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+DDP_SCENARIOS = {"hf_trainer": ddp_scenario}
+
+
+@pytest.mark.slow
+def test_hf_trainer_ddp_two_ranks_equal_full_batch_and_resume_mid_window() -> None:
+    from helpers import scenarios_on_ranks
+
+    results = scenarios_on_ranks("test_integration_hf_trainer", "DDP_SCENARIOS", timeout_s=150)
+    for rank, result in enumerate(results):
+        got = result["hf_trainer"]
+        assert got["ddp"] == "DistributedDataParallel", rank
+        assert got["rel"] <= 1e-12, (rank, got["rel"])
+        assert got["updates"] == (2, 2), rank  # 3 micro-batches, then 2
+        assert got["window_file"] and got["resumed_equal"], (rank, got)
+    assert results[0]["hf_trainer"]["grad_norm"] == results[1]["hf_trainer"]["grad_norm"]
+
+
+# ---------------------------------------------------------------------- loud errors
+
+
+def small_trainer(tmp: str, opt: Any = "sgd", **kwargs: Any) -> AccumulateTrainer:
+    model = CharMLP()
+    if opt == "sgd":
+        opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=EVERY)
+    elif callable(opt):
+        opt = opt(model)
+    return AccumulateTrainer(
+        model=model,
+        args=targs(tmp, MICRO, **kwargs),
+        train_dataset=sequences(9, shifted=True),
+        data_collator=collate,
+        optimizers=(opt, None),
+    )
+
+
+def test_hf_trainer_refuses_a_window_in_items() -> None:
+    def items(m: nn.Module) -> Accumulate:
+        return Accumulate(torch.optim.SGD(m.parameters(), lr=LR), every_items=64)
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(ValueError, match="every=<int>"):
+        small_trainer(tmp, items)
+
+
+def test_hf_trainer_refuses_other_gradient_accumulation_steps() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 but .* every=4"):
+            small_trainer(tmp, gradient_accumulation_steps=3)
+        small_trainer(tmp, gradient_accumulation_steps=EVERY)  # the same: fine
+
+
+def test_hf_trainer_refuses_two_different_clipping_norms() -> None:
+    def clipped(m: nn.Module) -> Accumulate:
+        return Accumulate(torch.optim.SGD(m.parameters(), lr=LR), every=2, max_grad_norm=0.5)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(ValueError, match=r"max_grad_norm=0.5\) and .*max_grad_norm=1.0"):
+            small_trainer(tmp, clipped)
+        assert small_trainer(tmp, clipped, max_grad_norm=0.0).accumulate.max_grad_norm == 0.5
+        assert small_trainer(tmp, max_grad_norm=0.0).accumulate.max_grad_norm == math.inf
+
+
+def test_hf_trainer_refuses_what_is_not_an_optimizer() -> None:
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(TypeError, match="is a str"):
+        small_trainer(tmp, lambda m: "adamw")
+
+
+@pytest.mark.parametrize("setup", ["fp16 with a GradScaler", "auto_find_batch_size"])
+def test_hf_trainer_refuses_unsupported_setups_at_train(setup: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = small_trainer(tmp)
+        if setup == "auto_find_batch_size":
+            trainer.args.auto_find_batch_size = True
+        else:
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # what fp16=True sets up
+        with pytest.raises(RuntimeError, match=f"not supported: {setup}"):
+            trainer.train()
+        assert trainer.accumulate.updates == 0
+
+
+def test_hf_trainer_micro_batch_runner_in_training_step_raises() -> None:
+    class RunnerTrainer(AccumulateTrainer):
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            def loss_fn(batch: Any) -> Any:
+                out = model(**batch)
+                n = int((batch["labels"] != -100).sum())
+                return out["loss"] * n, n
+
+            runner = MicroBatchRunner(self.accumulate, loss_fn, micro_batch_size=1)
+            return runner(self._prepare_inputs(inputs))  # 2 micro-steps per Trainer batch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = small_trainer(tmp)
+        trainer.__class__ = RunnerTrainer
+        with pytest.raises(RuntimeError, match=r"about to update inside .*MicroBatchRunner"):
+            trainer.train()
+    assert trainer.accumulate.updates == 0  # refused before the inner step: nothing applied
+
+
+def test_hf_trainer_count_items_needs_a_tensor() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = small_trainer(tmp)
+        assert trainer.count_items({"input_ids": torch.zeros(3, 5)}) == 3  # no labels: rows
+        with pytest.raises(ValueError, match="holds no tensor"):
+            trainer.count_items({"text": ["a", "b"]})
+
+
+def test_hf_trainer_accumulate_before_the_optimizer_exists_raises() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = small_trainer(tmp, None, gradient_accumulation_steps=2)
+        with pytest.raises(RuntimeError, match="no optimizer yet"):
+            trainer.accumulate  # noqa: B018
+        trainer.train()  # the Trainer's own AdamW, wrapped: Accumulate(every=2)
+        assert trainer.accumulate.every == 2 and trainer.accumulate.updates == 2 * 3
+
+
+def test_hf_trainer_refuses_a_trainer_without_the_hooks_it_overrides() -> None:
+    with pytest.raises(ImportError, match="_get_grad_norm"):
+        hf_trainer.check_trainer_hooks(type("OldTrainer", (), {"training_step": None}))
+    hf_trainer.check_trainer_hooks(Trainer)
+
+
+def test_hf_trainer_plain_trainer_with_accumulate_fails_loudly() -> None:
+    """Without AccumulateTrainer, Trainer's model.zero_grad() after each step wipes the window:
+    accumopt refuses the next backward pass instead of training on a wrong gradient."""
+    model = CharMLP()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=EVERY)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(
+            model=model,
+            args=targs(tmp, MICRO),
+            train_dataset=sequences(9, shifted=True),
+            data_collator=collate,
+            optimizers=(opt, None),
+        )
+        with pytest.raises(RuntimeError):
+            trainer.train()
+    assert opt.updates == 0
+
+
+# ---------------------------------------------------------------------- the example
+
+
+def test_hf_trainer_example_is_exact_at_the_first_window_and_trains() -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer_charlm.py"
+    spec = importlib.util.spec_from_file_location("example_hf_trainer_charlm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    torch.set_default_dtype(torch.float32)  # as a user runs it (conftest restores float64)
+    out = module.main(["--steps", "6", "--every", "2", "--micro-batch", "4", "--lr", "1e-2"])
+    assert out["first_window_rel"] <= 1e-12
+    assert out["updates"] == 6
+    assert out["last_loss"] < out["first_loss"]

@@ -1,0 +1,402 @@
+"""Lightning (accumopt.integrations.lightning): automatic and manual optimization, DDP.
+
+Every exactness claim is float64 SGD against the same LightningModule trained without
+accumulation (plain SGD) at the full effective batch: rel = ||theta - theta_full|| /
+||theta_full - theta_0|| <= 1e-12. The data give a ragged last micro-batch and a short last
+window: 20 rows in micro-batches of 3 (the last of 2), windows of 3 micro-batches, so the
+full-batch run sees batches of 9, 9 and 2 per epoch. The DDP tests run Lightning's own
+``ddp_fork`` strategy: 2 forked CPU processes on gloo (about 1 s each: nothing to import).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning", reason='not installed: pip install "accumopt[lightning]"')
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from accumopt import Accumulate
+from accumopt.integrations.lightning import AccumulateCallback, loss_over_items
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated"),  # Lightning on torch 2.13
+]
+ROWS, MICRO, EVERY, LR, EPOCHS = 20, 3, 3, 0.1, 2
+FULL = MICRO * EVERY  # the effective batch: 9 rows
+UPDATES = 2 * 3  # per epoch: windows of 9, 9 and 2 rows
+
+
+class Net(L.LightningModule):
+    """A small MLP; ``every=None`` trains without accumulation (the reference)."""
+
+    def __init__(
+        self,
+        every: int | None = None,
+        every_items: float | None = None,
+        manual: bool = False,
+        weighted: bool = True,
+        schedule: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+        )
+        self.every, self.every_items, self.weighted = every, every_items, weighted
+        self.schedule = schedule
+        self.automatic_optimization = not manual
+        self.seen: list[float] = []  # the gradient norm each on_before_optimizer_step sees
+        self.lrs: list[float] = []
+        self.extra_steps = 0  # manual: further opt.step() calls in each training_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss_sum = F.mse_loss(self.net(x), y, reduction="sum")
+        if self.automatic_optimization or self.every_items is None:
+            loss = loss_over_items(self, loss_sum, len(y)) if self.weighted else loss_sum / len(y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        if self.every_items is not None:  # next_items through Lightning's optimizer wrapper
+            opt.next_items(len(y))  # type: ignore[union-attr]
+            loss = loss_sum
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad()  # type: ignore[union-attr]
+        for _ in range(self.extra_steps):
+            again = F.mse_loss(self.net(x), y, reduction="sum")
+            self.manual_backward(loss_over_items(self, again, len(y)))
+            opt.step()  # type: ignore[union-attr]
+        if self.schedule is not None and getattr(opt, "did_update", True):
+            self.lr_schedulers().step()  # type: ignore[union-attr]
+        return None
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad.flatten() for p in self.parameters() if p.grad is not None]
+        self.seen.append(torch.cat(grads).norm().item())
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        if self.every is not None or self.every_items is not None:
+            opt = Accumulate(opt, every=self.every, every_items=self.every_items)
+        if self.schedule is None:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, **self.schedule}}
+
+
+def data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 4, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def fit(
+    module: Net,
+    batch_size: int,
+    rows: int = ROWS,
+    callbacks: list[Any] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    kwargs: dict[str, Any] = {"max_epochs": EPOCHS, **trainer_kwargs}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+    x, y = data(rows)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    return trainer
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def rel(module: torch.nn.Module, reference: torch.nn.Module) -> float:
+    start = flat(type(reference)())  # the same initial parameters (seeded)
+    return ((flat(module) - flat(reference)).norm() / (flat(reference) - start).norm()).item()
+
+
+def run_pair(
+    accumulated: Net, reference: Net, rows: int = ROWS, **trainer_kwargs: Any
+) -> tuple[L.Trainer, L.Trainer]:
+    ours = fit(accumulated, MICRO, rows, [AccumulateCallback()], **trainer_kwargs)
+    full = fit(reference, FULL, rows, **trainer_kwargs)
+    return ours, full
+
+
+# ---------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["items", "mean_losses"])
+def test_lightning_automatic_optimization_exact_with_ragged_batch_and_short_last_window(
+    weighted: bool,
+) -> None:
+    rows = ROWS if weighted else 18  # plain mean losses are exact for equal micro-batches
+    ours, full = run_pair(Net(every=EVERY, weighted=weighted), Net(), rows)
+    updates = UPDATES if weighted else 2 * 2
+    assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+    assert ours.global_step == full.global_step == updates
+    assert ours.optimizers[0].updates == updates  # type: ignore[attr-defined]
+    assert ours.fit_loop.epoch_loop._batches_that_stepped == updates  # the logging step
+    seen, expected = ours.lightning_module.seen, full.lightning_module.seen
+    assert len(seen) == updates  # on_before_optimizer_step at real updates only
+    torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("window", ["every", "every_items"])
+def test_lightning_manual_optimization_exact_with_ragged_batch_and_short_last_window(
+    window: str,
+) -> None:
+    kwargs = {"every": EVERY} if window == "every" else {"every_items": float(FULL)}
+    ours, full = run_pair(Net(manual=True, **kwargs), Net(manual=True))  # type: ignore[arg-type]
+    assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+    assert ours.global_step == full.global_step == UPDATES
+    seen, expected = ours.lightning_module.seen, full.lightning_module.seen
+    assert len(seen) == UPDATES
+    torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
+
+
+class TwoNets(Net):
+    """Manual optimization of two independent MLPs, each with its own optimizer and loss (the
+    shape of a GAN's loop): every training_step steps both."""
+
+    def __init__(self, every: int | None = None) -> None:
+        super().__init__(every=every, manual=True)
+        self.other = torch.nn.Linear(4, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        for opt, net in zip(self.optimizers(), (self.net, self.other)):  # type: ignore[arg-type]
+            loss_sum = F.mse_loss(net(x), y, reduction="sum")
+            self.manual_backward(loss_over_items(self, loss_sum, len(y), optimizer=opt))
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (self.net, self.other)]
+        return opts if self.every is None else [Accumulate(o, every=self.every) for o in opts]
+
+
+def test_lightning_manual_optimization_two_optimizers_exact() -> None:
+    ours, full = run_pair(TwoNets(every=EVERY), TwoNets())
+    assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+    assert [o.updates for o in ours.optimizers] == [UPDATES, UPDATES]  # type: ignore[attr-defined]
+    assert ours.global_step == full.global_step == 2 * UPDATES  # Lightning counts both
+
+
+@pytest.mark.parametrize(("algorithm", "clip"), [("norm", 0.5), ("value", 0.05)])
+def test_lightning_automatic_gradient_clip_val_clips_the_window_mean_once(
+    algorithm: str, clip: float
+) -> None:
+    kwargs = {"gradient_clip_val": clip, "gradient_clip_algorithm": algorithm}
+    ours, full = run_pair(Net(every=EVERY), Net(), **kwargs)
+    unclipped = fit(Net(), FULL)
+    assert rel(full.lightning_module, unclipped.lightning_module) > 1e-2  # clipping bites
+    assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_lightning_step_scheduler_and_max_steps_count_real_updates(manual: bool) -> None:
+    schedule = {"interval": "step"}
+    ours, full = run_pair(
+        Net(every=EVERY, manual=manual, schedule=schedule),
+        Net(manual=manual, schedule=schedule),
+        max_steps=5,  # stops inside the second epoch, after its second update
+        max_epochs=-1,
+    )
+    assert ours.global_step == full.global_step == 5
+    assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+    assert ours.lightning_module.lrs == pytest.approx(full.lightning_module.lrs, rel=1e-15)
+    assert len(ours.lightning_module.lrs) == 5
+    assert ours.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.7**5)
+
+
+def test_lightning_example_digits_first_window_matches_full_batch() -> None:
+    path = Path(__file__).resolve().parent.parent / "examples" / "lightning_digits.py"
+    spec = importlib.util.spec_from_file_location("example_lightning_digits", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    threads = torch.get_num_threads()
+    torch.set_default_dtype(torch.float32)  # as a user runs it (the fixture restores it)
+    try:
+        spec.loader.exec_module(module)
+        out = module.main(["--epochs", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert out["first_window_rel"] <= 1e-12
+    assert out["updates"] == out["global_step"] == 2 * 3  # 1437 rows: windows 512, 512, 413
+    assert out["test_accuracy"] > 0.3
+
+
+# ---------------------------------------------------------------------- loud errors
+
+
+def test_lightning_accumulate_grad_batches_with_accumulate_raises() -> None:
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\).*1/2 of the right"):
+        fit(Net(every=EVERY), MICRO, callbacks=[AccumulateCallback()], accumulate_grad_batches=2)
+
+
+def test_lightning_gradient_accumulation_scheduler_raises_when_it_turns_on() -> None:
+    module = Net(every=EVERY)
+    callbacks = [AccumulateCallback(), GradientAccumulationScheduler({1: 2})]
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2"):
+        fit(module, MICRO, callbacks=callbacks)
+    assert module.trainer.current_epoch == 1  # the first epoch ran, nothing after the change
+
+
+def test_lightning_every_items_in_automatic_optimization_raises() -> None:
+    with pytest.raises(ValueError, match=r"every_items=9\) in automatic optimization"):
+        fit(Net(every_items=9.0), MICRO, callbacks=[AccumulateCallback()])
+
+
+def test_lightning_step_scheduler_with_frequency_raises() -> None:
+    module = Net(every=EVERY, schedule={"interval": "step", "frequency": 2})
+    with pytest.raises(ValueError, match=r"frequency=2.*counts micro-batches"):
+        fit(module, MICRO, callbacks=[AccumulateCallback()])
+
+
+def test_lightning_callback_without_accumulate_raises() -> None:
+    with pytest.raises(ValueError, match=r"no Accumulate optimizer \(got \['SGD'\]\)"):
+        fit(Net(), MICRO, callbacks=[AccumulateCallback()])
+
+
+def test_lightning_accumulate_without_the_callback_raises_in_loss_over_items() -> None:
+    with pytest.raises(RuntimeError, match=r"has no AccumulateCallback"):
+        fit(Net(every=EVERY), MICRO)
+
+
+def test_lightning_strategy_that_accumulates_itself_raises() -> None:
+    class SelfAccumulating(SingleDeviceStrategy):
+        @property
+        def handles_gradient_accumulation(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match=r"SelfAccumulating accumulates gradients itself"):
+        fit(
+            Net(every=EVERY),
+            MICRO,
+            callbacks=[AccumulateCallback()],
+            strategy=SelfAccumulating(device="cpu"),
+        )
+
+
+def test_lightning_manual_second_step_in_the_last_batch_raises() -> None:
+    module = Net(every=EVERY, manual=True)
+    module.extra_steps = 1  # two micro-steps per training_step
+    with pytest.raises(RuntimeError, match=r"opt.step\(\) was called again in the epoch's last"):
+        fit(module, MICRO, callbacks=[AccumulateCallback()])
+
+
+# ---------------------------------------------------------------------- DDP, 2 gloo ranks
+
+
+class _Report(L.Callback):
+    """On each rank: counts every all-reduce of the whole gradient (DDP's bucket, through a
+    comm hook, and accumopt's own boundary all-reduce), and DDP's alone; at the end, reports through
+    ``callback_metrics`` (what ``ddp_fork`` sends back from rank 0) the count, the step
+    counts and how far the ranks' parameters are apart."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch.distributed as dist
+
+        self.syncs, self.real, size = 0, dist.all_reduce, len(flat(pl_module))
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.syncs += tensor.numel() == size
+            return self.real(tensor, *args, **kwargs)
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+            self.ddp_syncs += 1
+            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0] / 2)
+
+        self.ddp_syncs, dist.all_reduce = 0, all_reduce
+        trainer.strategy.model.register_comm_hook(None, hook)  # type: ignore[union-attr]
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce = self.real
+        params = [flat(pl_module), flat(pl_module)]
+        dist.all_gather(params, flat(pl_module))
+        opt = trainer.optimizers[0]
+        trainer.callback_metrics.update(
+            grad_syncs=torch.tensor(self.syncs),
+            ddp_syncs=torch.tensor(self.ddp_syncs),
+            global_step=torch.tensor(trainer.global_step),
+            updates=torch.tensor(getattr(opt, "updates", -1)),
+            ranks_apart=(params[0] - params[1]).norm(),
+        )
+
+
+def fit_ddp(module: Net, rows: int) -> dict[str, float]:
+    """Fit on 2 forked CPU ranks (``ddp_fork``: no new interpreter, nothing to import); each
+    rank takes every other row (``rank::2``), so with micro-batches of 3 and windows of 3 the
+    ranks' windows together are rows 0-17, 18-35, ... (the full-batch run's batches of 18)."""
+
+    class Halves(L.LightningDataModule):
+        def train_dataloader(self) -> DataLoader[Any]:
+            x, y = data(rows)
+            rank = self.trainer.global_rank  # type: ignore[union-attr]
+            return DataLoader(TensorDataset(x[rank::2], y[rank::2]), batch_size=MICRO)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        use_distributed_sampler=False,
+        max_epochs=EPOCHS,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[AccumulateCallback(), _Report()],
+    )
+    trainer.fit(module, datamodule=Halves())
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.slow
+def test_lightning_ddp_two_ranks_exact_with_one_gradient_sync_per_update() -> None:
+    ours = Net(every=EVERY)
+    got = fit_ddp(ours, rows=44)  # per rank 22 rows: windows of 9, 9, 4 rows
+    full = fit(Net(), 2 * FULL, rows=44)  # batches of 18, 18, 8 rows
+    assert rel(ours, full.lightning_module) <= 1e-12
+    assert got["ranks_apart"] == 0.0
+    assert got["global_step"] == got["updates"] == UPDATES
+    assert got["grad_syncs"] == UPDATES  # not one per micro-batch (16)
+    assert got["ddp_syncs"] == 2 * 2  # full windows: DDP's own sync, overlapped with backward
+
+
+@pytest.mark.slow
+def test_lightning_ddp_manual_optimization_exact_with_one_gradient_sync_per_update() -> None:
+    # manual_backward runs inside DDP's forward, before there are outputs: the callback has
+    # the wrapper count at the parameters (set_model(..., count_at="parameters"))
+    ours = Net(every=EVERY, manual=True)
+    got = fit_ddp(ours, rows=44)  # per rank 22 rows: windows of 9, 9, 4 rows
+    full = fit(Net(manual=True), 2 * FULL, rows=44)
+    assert rel(ours, full.lightning_module) <= 1e-12
+    assert got["ranks_apart"] == 0.0
+    assert got["global_step"] == got["updates"] == UPDATES
+    # one per update (not one per micro-batch, 16), and the first micro-step after each
+    # epoch-end flush but the last: the released wrapper leaves DDP its own sync setting
+    assert got["grad_syncs"] == UPDATES + EPOCHS - 1
