@@ -77,9 +77,12 @@ def calling_scaler() -> torch.amp.GradScaler | None:
     ``step`` calls the optimizer's ``step`` directly; a few frames allow for wrappers)."""
     frame = sys._getframe(1)
     for _ in range(8):
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, torch.amp.GradScaler):
-            return candidate
+        # torch's frames only: reading f_locals snapshots a frame's locals into it (before
+        # Python 3.13), which would keep a caller's objects alive
+        if frame.f_globals.get("__name__", "").startswith("torch."):
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.amp.GradScaler):
+                return candidate
         if frame.f_back is None:
             break
         frame = frame.f_back

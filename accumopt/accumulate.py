@@ -204,6 +204,8 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
             raise problem
+        if self._window.closed and (foreign := _guards.foreign_accumulation(self)) is not None:
+            raise RuntimeError(foreign)
         self._transaction(lambda: self._step_body(amp))
 
     def _step_body(self, amp: bool) -> None:

@@ -526,22 +526,27 @@ def test_hf_trainer_refuses_a_trainer_without_the_hooks_it_overrides() -> None:
     hf_trainer.check_trainer_hooks(Trainer)
 
 
-def test_hf_trainer_plain_trainer_with_accumulate_fails_loudly() -> None:
-    """Without AccumulateTrainer, Trainer's model.zero_grad() after each step wipes the window:
-    accumopt refuses the next backward pass instead of training on a wrong gradient."""
+@pytest.mark.parametrize("steps", [1, EVERY])
+def test_hf_trainer_plain_trainer_with_accumulate_fails_loudly(steps: int) -> None:
+    """Without AccumulateTrainer: with gradient_accumulation_steps=1, the Trainer's
+    model.zero_grad() after each step wipes the window; with the Trainer's own accumulation on
+    as well, each loss is divided twice. Both are refused before the first update."""
     model = CharMLP()
+    before = [p.detach().clone() for p in model.parameters()]
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=EVERY)
+    match = "replaced or cleared" if steps == 1 else "its own gradient accumulation on"
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             model=model,
-            args=targs(tmp, MICRO),
+            args=targs(tmp, MICRO, gradient_accumulation_steps=steps),
             train_dataset=sequences(9, shifted=True),
             data_collator=collate,
             optimizers=(opt, None),
         )
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match=match):
             trainer.train()
     assert opt.updates == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # ---------------------------------------------------------------------- the example

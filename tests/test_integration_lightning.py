@@ -284,6 +284,27 @@ def test_lightning_accumulate_without_the_callback_raises_in_loss_over_items() -
         fit(Net(every=EVERY), MICRO)
 
 
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"accumulate_grad_batches": EVERY}, "its own gradient accumulation on"),
+        ({"gradient_clip_val": 0.01}, "clipped inside the window"),
+    ],
+)
+def test_lightning_without_the_callback_wrong_settings_are_refused_before_the_update(
+    setting: dict[str, Any], match: str
+) -> None:
+    """Without AccumulateCallback, Lightning's own accumulation divides each loss a second
+    time, and its clipping clips each micro-step's partial sum: both refused at the first
+    boundary, the parameters untouched (weighted=False: a plain mean loss, no callback
+    needed by the module)."""
+    module = Net(every=EVERY, weighted=False)
+    before = flat(module)
+    with pytest.raises(RuntimeError, match=match):
+        fit(module, MICRO, **setting)
+    assert torch.equal(flat(module), before)
+
+
 def test_lightning_strategy_that_accumulates_itself_raises() -> None:
     class SelfAccumulating(SingleDeviceStrategy):
         @property

@@ -378,3 +378,19 @@ def test_set_model_inside_a_window_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="holds none of the optimizer's parameters"):
         Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3).set_model(mlp(1))
     assert acc.model is None and acc.micro_step == 1
+
+
+def test_the_boundary_call_stack_checks_keep_no_caller_object_alive() -> None:
+    """The boundary looks up the call stack for a framework's own accumulation (and a
+    GradScaler); reading a frame's locals must not keep the caller's wrapper alive."""
+    import gc
+    import weakref
+
+    model = mlp(92)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    amp_loop(acc, model, sc, 92)  # adopts the scaler at a boundary too
+    dead = weakref.ref(acc)
+    del acc
+    assert dead() is None  # no garbage collection needed
+    gc.collect()
