@@ -221,9 +221,12 @@ class BackwardCounter:
         thread) or ``""`` (a pass died part-way)."""
         return self._compiled[0] if self.paused else ""
 
-    def pause(self, reason: str) -> None:
-        """Pause counting on purpose (``reason`` as :attr:`paused_reason`) until :meth:`rearm`."""
+    def pause(self, reason: str) -> bool:
+        """Pause counting on purpose (``reason`` as :attr:`paused_reason`) until :meth:`rearm`;
+        returns whether it was armed."""
+        armed = self._armed[0]
         self._armed[0], self._compiled[0] = False, reason
+        return armed
 
     def rearm(self) -> None:
         """Count the next backward pass again after one that died before its end (its partial

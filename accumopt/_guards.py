@@ -88,8 +88,10 @@ class WindowGuard:
 
     def forget(self) -> None:
         """A new window opened, or the window's gradients moved on purpose (a checkpoint
-        loaded, rollback turned on, a GradScaler adopted): nothing to compare with."""
+        loaded, rollback turned on, a GradScaler adopted): nothing to compare with, and no
+        reference kept to the window's gradients (they must be freed with the window)."""
         self.params = self.lrs = None
+        self.grads = []
 
     def note(
         self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None, micro_step: int
@@ -195,6 +197,8 @@ def note(opt: AccumulatingOptimizer) -> None:
 def check_close(opt: AccumulatingOptimizer) -> None:
     """Before the window's gradient is formed: refuse a window whose ``.grad`` was wiped, and
     pause counting until ``discard()`` (the window's sum is lost)."""
+    if not opt._guard.params:  # nothing noted (a window of one micro-step): nothing to check
+        return
     micro_step = opt._window.micro_step
     problem = opt._guard.wiped(micro_step, opt._sync.grad_writes(micro_step))
     if problem is not None:
@@ -218,6 +222,16 @@ def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:
     ``accumulate_grad_batches`` > 1 and ``opt`` among its optimizers. Found on the call stack
     by duck typing, so no framework is imported; None otherwise."""
     frame = sys._getframe(2)
+    # Who calls step(), past accumopt's and torch's own wrappers (a scheduler's,
+    # GradScaler.step): unless it is a framework's code, no framework steps the wrapper and
+    # the walk ends there (each frame looked at costs about 1 us: frames are built on demand)
+    for _ in range(6):
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("accumopt.", "torch.")) or frame.f_back is None:
+            break
+        frame = frame.f_back
+    if frame.f_globals.get("__name__", "").partition(".")[0] not in _FRAMEWORKS:
+        return None
     for _ in range(12):
         # only the frameworks' own frames: reading f_locals snapshots a frame's locals into
         # it (before Python 3.13), which would keep a caller's objects alive

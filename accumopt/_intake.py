@@ -121,8 +121,7 @@ class MicroStepIntake:
         Counting stays paused (reason ``"interrupted"``) until this bookkeeping is done: the
         counter's end-of-pass callback re-arms after it returns; ``backward()`` of a pass that
         reached nothing (armed on entry) re-arms here."""
-        armed = not self._counter.paused
-        self._counter.pause("interrupted")
+        armed = self._counter.pause("interrupted")
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
         refusal = self._window.refusal(items is not None)
         if refusal is not None:

@@ -28,8 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -39,8 +38,7 @@ SizeFn = Callable[[int, float], Any]
 (``every_items``) for the window that opens now."""
 
 
-@dataclass(frozen=True)
-class WindowReport:
+class WindowReport(NamedTuple):
     """What the last window that reached its boundary was (``Accumulate.last_window``): what
     frameworks log after an update.
 

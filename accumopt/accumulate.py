@@ -206,7 +206,15 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             raise problem
         if self._window.closed and (foreign := _guards.foreign_accumulation(self)) is not None:
             raise RuntimeError(foreign)
-        self._transaction(lambda: self._step_body(amp))
+        self._counter.pause("interrupted")  # _transaction, inlined on this hot path
+        self._consistent = False
+        try:
+            self._step_body(amp)
+        except BaseException:
+            if self._consistent:
+                self._counter.rearm()
+            raise
+        self._counter.rearm()
 
     def _step_body(self, amp: bool) -> None:
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
@@ -299,13 +307,14 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients only when no window is open: a no-op inside a window, so calling it
         every micro-step never wipes it (:meth:`discard` drops a window on purpose)."""
-        if self._window.micro_step == 0:  # re-armed at the end: no gradient is left over
-            self._transaction(lambda: self._zero_grad(set_to_none))
-
-    def _zero_grad(self, set_to_none: bool) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        # once per window: count parameters unfrozen since the last look
-        self._counter.watch_groups(self.param_groups)
+        if self._window.micro_step == 0:
+            # paused until done, re-armed at the end (no gradient is left over): an
+            # interrupted zero_grad() refuses until discard()
+            self._counter.pause("interrupted")
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            # once per window: count parameters unfrozen since the last look
+            self._counter.watch_groups(self.param_groups)
+            self._counter.rearm()
 
     def _reset_window(self) -> None:
         self._guard.forget()
