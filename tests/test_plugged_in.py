@@ -394,3 +394,21 @@ def test_the_boundary_call_stack_checks_keep_no_caller_object_alive() -> None:
     del acc
     assert dead() is None  # no garbage collection needed
     gc.collect()
+
+
+def test_the_window_guard_keeps_no_gradient_of_a_finished_window_alive() -> None:
+    """The guard notes the window's .grad tensors after its first micro-step; once the window
+    is applied and zero_grad() ran, nothing of accumopt may hold them (a gradient copy)."""
+    import weakref
+
+    model = mlp(93)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    x, y = data(93, 4)
+    refs = []
+    for xb, yb in zip(x.split(2), y.split(2)):
+        acc.backward(mse_sum(model, xb, yb), items=2)
+        refs += [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    assert all(r() is None for r in refs)
