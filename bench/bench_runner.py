@@ -43,12 +43,14 @@ TARGETS = {
     (RUNNER_AUTO, HUNDRED): 1.05,
     (RUNNER_AUTO, HEAVY): 1.05,
 }
-#: (runner, model) pairs that miss their target on the current code
+#: (runner, model) pairs that miss their target on the current code (auto on the
+#: compute-heavy MLP: 1.08-1.12 in the two full runs of 2026-12-01)
 MISSING: set[tuple[str, str]] = {
     (RUNNER_FIXED, TINY),
     (RUNNER_FIXED, HUNDRED),
     (RUNNER_AUTO, TINY),
     (RUNNER_AUTO, HUNDRED),
+    (RUNNER_AUTO, HEAVY),
 }
 ID = {TINY: "tiny", HUNDRED: "100t", HEAVY: "heavy", RUNNER_FIXED: "fixed", RUNNER_AUTO: "auto"}
 

@@ -284,6 +284,28 @@ def auto_oom_on_one_rank(rank: int) -> Any:
     return worker(rank, "equal", "auto_oom")[:2]
 
 
+def items_without_the_ddp_model(rank: int) -> list[str | None]:
+    """DDP without model=: items would be this rank's own (each rank dividing by its own
+    count); refused before the pass, through opt.backward and next_items; set_model fixes it."""
+    from accumopt import Accumulate
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=2)
+    x, y = data()
+    loss = ((ddp(x[:2]) - y[:2]) ** 2).sum()
+    messages: list[str | None] = []
+    for call in (lambda: opt.backward(loss, items=2), lambda: opt.next_items(2)):
+        try:
+            call()
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
+    opt.set_model(ddp)
+    opt.backward(loss, items=2)  # now summed over the ranks
+    messages.append(str(opt.micro_step))
+    return messages
+
+
 def refused(rank: int) -> list[str]:
     messages = []
     for policy in ("skip_micro_batch", "raise"):
@@ -307,6 +329,7 @@ AGREEMENTS: dict[str, Callable[[int], Any]] = {
     "no_items": lambda r: windows_of(r, [W1, NONE, W3]),
     "auto_oom": auto_oom_on_one_rank,
     "refused": refused,
+    "items_without_model": items_without_the_ddp_model,
 }
 
 
@@ -396,3 +419,13 @@ def test_agreement_matrix_per_micro_batch_policies_refused_under_ddp(
         for message, policy in zip(r["refused"], ("skip_micro_batch", "raise")):
             assert f"nonfinite={policy!r} with model= (torch.distributed)" in message
             assert "expected nonfinite='skip_window' or None" in message
+
+
+def test_ddp_items_without_the_ddp_model_are_refused_until_set_model(
+    agreements: list[dict[str, Any]],
+) -> None:
+    for r in agreements:
+        backward, next_items, after = r["items_without_model"]
+        for message in (backward, next_items):
+            assert message is not None and "opt.set_model(ddp_model)" in message
+        assert after == "1"
