@@ -39,7 +39,7 @@ from accumopt import Accumulate
 from accumopt.integrations import accelerate as accumopt_accelerate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import digits  # the sibling example: same data and split
+import digits  # the sibling example: same data, split and accuracy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,11 +96,6 @@ def check_first_window(
     return float((theta - theta_full).abs().max()), rel
 
 
-@torch.no_grad()
-def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    return (model(x).argmax(dim=1) == y).float().mean().item()
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -148,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"{opt.updates} updates"
             )
 
-    test_accuracy = accuracy(accelerator.unwrap_model(model), x_test, y_test)
+    test_accuracy = digits.accuracy(accelerator.unwrap_model(model), x_test, y_test)
     accelerator.print(f"held-out accuracy: {test_accuracy:.4f}")
     return {
         "first_window_max_abs_diff": max_diff,

@@ -29,20 +29,23 @@ import argparse
 import copy
 import logging
 import math
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accumopt import Accumulate
 from accumopt.integrations.lightning import AccumulateCallback, loss_over_items
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import digits  # the sibling example: same data, split and accuracy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,14 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_data() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Images flattened to (N, 64), scaled to [0, 1], and labels: a fixed stratified split."""
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.get_default_dtype())
-    y = torch.tensor(digits.target, dtype=torch.long)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, stratify=y, random_state=0
-    )
-    return x_train, y_train, x_test, y_test
+    """The sibling example's split, images flattened to (N, 64) for an MLP."""
+    x_train, y_train, x_test, y_test = digits.load_data()
+    return x_train.flatten(1), y_train, x_test.flatten(1), y_test
 
 
 class DigitsMLP(L.LightningModule):
@@ -133,11 +131,6 @@ def check_first_window(model: DigitsMLP, x: Tensor, y: Tensor, args: argparse.Na
     return ((got - vec[1]).norm() / (vec[1] - vec[0]).norm()).item()
 
 
-@torch.no_grad()
-def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    return (model(x).argmax(dim=1) == y).float().mean().item()
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -169,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fitted.fit(model, loader)
     opt = fitted.optimizers[0]
     assert isinstance(opt, Accumulate)
-    test_accuracy = accuracy(model.eval(), x_test, y_test)
+    test_accuracy = digits.accuracy(model.eval(), x_test, y_test)
     print(
         f"updates: {opt.updates} over {args.epochs} epochs (trainer.global_step "
         f"{fitted.global_step}); last lr {opt.param_groups[0]['lr']:.2e}"

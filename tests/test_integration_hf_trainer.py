@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
@@ -43,6 +45,9 @@ from transformers import (
 from accumopt import Accumulate, MicroBatchRunner
 from accumopt.integrations import hf_trainer
 from accumopt.integrations.hf_trainer import AccumulateTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from hf_trainer_charlm import collate  # padding to the longest sequence, labels -100
 
 MICRO, EVERY, EPOCHS, SAMPLES = 2, 4, 2, 21  # 11 micro-batches per epoch: 4 + 4 + 3, the last of 1
 LR, CLIP = 0.5, 1.0  # CLIP clips some windows of the GPT-2 below and not others
@@ -71,22 +76,6 @@ def sequences(n: int, seed: int = 0, shifted: bool = False) -> list[dict[str, li
         x, y = (ids[:-1], ids[1:]) if shifted else (ids[:-1], ids[:-1])
         out.append({"input_ids": x, "labels": y})
     return out
-
-
-def collate(features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Right padding to the batch's longest sequence; padded labels are -100."""
-    width = max(len(f["input_ids"]) for f in features)
-    batch = {
-        "input_ids": torch.zeros(len(features), width, dtype=torch.long),
-        "attention_mask": torch.zeros(len(features), width, dtype=torch.long),
-        "labels": torch.full((len(features), width), -100, dtype=torch.long),
-    }
-    for row, f in enumerate(features):
-        n = len(f["input_ids"])
-        batch["input_ids"][row, :n] = torch.tensor(f["input_ids"])
-        batch["attention_mask"][row, :n] = 1
-        batch["labels"][row, :n] = torch.tensor(f["labels"])
-    return batch
 
 
 def f64_causal_loss(
