@@ -300,8 +300,12 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         """An empty window, counting re-armed (``discard()``, a checkpoint load)."""
         if clear_grads:
             self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()
         self._window.stepped = True
+        try:
+            self._reset_window()
+        except ValueError:  # a schedule's bad size: the empty window is open, usable once fixed
+            self._counter.rearm()
+            raise
         self._counter.rearm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
