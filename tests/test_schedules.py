@@ -193,6 +193,9 @@ def test_a_bad_size_is_refused_naming_its_update_and_nothing_is_lost(
     with pytest.raises(ValueError, match="update 3"):  # refused before anything accumulates
         opt.backward(mse_sum(model, x[:1], y[:1]))
     assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="update 3"):  # discard() asks again: still bad
+        opt.discard()
+    assert not opt._counter.paused  # the empty window is open: usable once the size is fixed
     sizes[2] = 2  # fixed: the next backward asks again
     opt.backward(mse_sum(model, x[:1], y[:1]))
     assert opt.every == 2 and opt.micro_step == 1
