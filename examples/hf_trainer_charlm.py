@@ -17,6 +17,7 @@ Run from the repository root::
 
     python examples/hf_trainer_charlm.py
     python examples/hf_trainer_charlm.py --steps 100 --every 4
+    torchrun --nproc-per-node 2 examples/hf_trainer_charlm.py   # DDP on gloo, 2 processes
 
 Run time: about 20 s on 2 CPU cores (``--threads 1``, the default), most of it importing
 transformers.

@@ -18,6 +18,7 @@ Run from the repository root::
 
     python examples/lightning_digits.py
     python examples/lightning_digits.py --epochs 60 --lr 3e-3
+    torchrun --nproc-per-node 2 examples/lightning_digits.py   # DDP on gloo, 2 processes
 
 Run time on 2 CPU cores with ``--threads 1`` (the default): about 10 s when the machine is idle
 (importing Lightning takes a few of them).
@@ -29,6 +30,7 @@ import argparse
 import copy
 import logging
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -62,8 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.threads < 1 or args.epochs < 1:
         parser.error("expected --threads >= 1 and --epochs >= 1")
-    if not 1 <= args.micro_batch <= args.effective_batch or args.effective_batch % args.micro_batch:
-        parser.error("expected --effective-batch to be a positive multiple of --micro-batch")
+    share = args.micro_batch * int(os.environ.get("WORLD_SIZE", "1"))  # one micro-batch a rank
+    if not 1 <= share <= args.effective_batch or args.effective_batch % share:
+        parser.error(
+            "expected --effective-batch to be a positive multiple of --micro-batch times the "
+            "number of processes"
+        )
     return args
 
 
@@ -97,11 +103,17 @@ class DigitsMLP(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: DDP on gloo, one rank each
+RANK = int(os.environ.get("RANK", "0"))
+
+
 def trainer(
     max_epochs: int = -1, max_steps: int = -1, clip: float = 1.0, accumulate: bool = True
 ) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp" if WORLD > 1 else "auto",
         max_epochs=max_epochs,
         max_steps=max_steps,
         gradient_clip_val=clip,
@@ -115,16 +127,16 @@ def trainer(
 
 def check_first_window(model: DigitsMLP, x: Tensor, y: Tensor, args: argparse.Namespace) -> float:
     """Train float64 copies of ``model`` by Lightning for one update: through Accumulate on
-    micro-batches, and without accumulation on the whole window. Returns
-    ||theta_acc - theta_full|| / ||theta_full - theta_0||."""
-    every = args.effective_batch // args.micro_batch
+    micro-batches, and without accumulation on the whole window (under DDP each rank takes its
+    share of the window). Returns ||theta_acc - theta_full|| / ||theta_full - theta_0||."""
+    every = args.effective_batch // (args.micro_batch * WORLD)
     window = TensorDataset(x[: args.effective_batch].double(), y[: args.effective_batch])
     start = copy.deepcopy(model).double()
     accumulated, full = copy.deepcopy(start), copy.deepcopy(start)
     accumulated.every, full.every = every, None
     trainer(max_steps=1, clip=args.clip).fit(accumulated, DataLoader(window, args.micro_batch))
     trainer(max_steps=1, clip=args.clip, accumulate=False).fit(
-        full, DataLoader(window, args.effective_batch)
+        full, DataLoader(window, args.effective_batch // WORLD)
     )
     vec = [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (start, full)]
     got = torch.cat([p.detach().flatten() for p in accumulated.parameters()])
@@ -137,19 +149,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=PossibleUserWarning)  # num_workers=0 is fine here
     warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated")  # Lightning on torch
-    every = args.effective_batch // args.micro_batch
+    every = args.effective_batch // (args.micro_batch * WORLD)  # micro-batches per rank
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data()
-    batches = math.ceil(len(x_train) / args.micro_batch)
+    batches = math.ceil(len(x_train) / (args.micro_batch * WORLD))
     total = math.ceil(batches / every) * args.epochs  # updates: each epoch ends with a flush
     model = DigitsMLP(args.lr, every, total)
-    print(
+    show = print if RANK == 0 else (lambda *_: None)
+    show(
         f"digits: {len(x_train)} train / {len(x_test)} test images; micro-batch "
-        f"{args.micro_batch} x {every} = effective batch {args.effective_batch}"
+        f"{args.micro_batch} x {every} x {WORLD} rank(s) = effective batch {args.effective_batch}"
     )
 
     first_rel = check_first_window(model, x_train, y_train, args)
-    print(
+    show(
         f"first window (float64), Lightning + Accumulate vs Lightning's full-batch step on "
         f"{args.effective_batch} images: rel param diff = {first_rel:.2e}"
     )
@@ -163,11 +176,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     opt = fitted.optimizers[0]
     assert isinstance(opt, Accumulate)
     test_accuracy = digits.accuracy(model.eval(), x_test, y_test)
-    print(
+    show(
         f"updates: {opt.updates} over {args.epochs} epochs (trainer.global_step "
         f"{fitted.global_step}); last lr {opt.param_groups[0]['lr']:.2e}"
     )
-    print(f"held-out accuracy: {test_accuracy:.4f}")
+    show(f"held-out accuracy: {test_accuracy:.4f}")
     return {
         "test_accuracy": test_accuracy,
         "first_window_rel": first_rel,
