@@ -213,3 +213,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # under torchrun: end the gloo group before exiting
+        torch.distributed.destroy_process_group()

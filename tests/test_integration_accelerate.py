@@ -582,16 +582,10 @@ def test_accelerate_digits_example_on_two_ddp_processes_is_exact_at_the_first_wi
     helper's prepare, the first window against one full-batch step (float64)."""
     pytest.importorskip("sklearn", reason="the example needs scikit-learn's digits")
     import re
-    import subprocess
-    import sys
 
-    root = os.path.join(os.path.dirname(__file__), "..")
-    example = os.path.join(root, "examples", "accelerate_digits.py")
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", example,
-         "--epochs", "1"],
-        capture_output=True, text=True, timeout=240, cwd=root,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    rel = re.search(r"\(float64, 2 process\(es\)\).*relative to the update = (\S+)", run.stdout)
-    assert rel is not None and float(rel.group(1)) <= 1e-12, run.stdout
+    from helpers import torchrun_example
+
+    out = torchrun_example("accelerate_digits.py", "--epochs", "1")
+    number = r"(\d\.\d+e[+-]\d+)"
+    rel = re.search(r"\(float64, 2 process\(es\)\).*relative to the update = " + number, out)
+    assert rel is not None and float(rel.group(1)) <= 1e-12, out
