@@ -48,16 +48,17 @@ def bind(
             f"Accumulate.set_model: count_at={count_at!r}; expected 'outputs' (at the tensors "
             "the model returns) or 'parameters' (at the parameters' gradients)."
         )
-    _checks.check_policies(opt.nonfinite, opt.scaler, opt.buffer, distributed)
-    params = params_of(opt.param_groups)
-    sync: GradSync | LocalSync = sync_for(model, params[0].device, opt.reduce_every_micro_step)
-    if isinstance(sync, GradSync):
-        sync.check_fsdp(opt._window.every, opt.scaler, opt._buffer.buffer_all)
-    if count_at == "parameters" and sync.fsdp:
+    fsdp = distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if count_at == "parameters" and fsdp:
         raise ValueError(
             "Accumulate.set_model: count_at='parameters' with an FSDP2 model, whose sharded "
             "parameters are not in the autograd graph; expected count_at='outputs'."
         )
+    _checks.check_policies(opt.nonfinite, opt.scaler, opt.buffer, distributed)
+    params = params_of(opt.param_groups)
+    sync: GradSync | LocalSync = sync_for(model, params[0].device, opt.reduce_every_micro_step)
+    if isinstance(sync, GradSync):  # refused: the new sync's hooks go with it (weakref.finalize)
+        sync.check_fsdp(opt._window.every, opt.scaler, opt._buffer.buffer_all)
     counted = model if count_at == "outputs" else None
     counter = BackwardCounter(opt._on_backward_end, counted, confirm_accumulation=not sync.fsdp)
     counter.watch_groups(opt.param_groups)

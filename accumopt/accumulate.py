@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from threading import get_ident
 from typing import Any
 
@@ -206,15 +207,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             raise problem
         if self._window.closed and (foreign := _guards.foreign_accumulation(self)) is not None:
             raise RuntimeError(foreign)
-        self._counter.pause("interrupted")  # _transaction, inlined on this hot path
-        self._consistent = False
-        try:
-            self._step_body(amp)
-        except BaseException:
-            if self._consistent:
-                self._counter.rearm()
-            raise
-        self._counter.rearm()
+        self._transaction(partial(self._step_body, amp))
 
     def _step_body(self, amp: bool) -> None:
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
