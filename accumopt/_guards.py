@@ -18,6 +18,7 @@ the closing pass replaces ``.grad`` legitimately, so only the learning rate is c
 from __future__ import annotations
 
 import sys
+import weakref
 from itertools import compress, repeat
 from operator import attrgetter, is_not, sub
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,15 @@ FOREIGN_ACCUMULATION = (
     "accumopt.integrations. Call opt.discard() after changing the configuration."
 )
 
+SCHEDULER_AHEAD = (
+    "Accumulate: the LR scheduler {name} stepped {count} times since the last update (from "
+    "last_epoch {mark} to {now}); expected at most once per update (if opt.did_update: "
+    "scheduler.step()). Stepped every micro-step, it counts micro-steps, not updates, and its "
+    "schedule runs ahead even where its learning rate does not change inside a window. "
+    "Nothing was applied. Step the scheduler only when opt.did_update, restore its state "
+    "(scheduler.load_state_dict) and call opt.discard() to drop this window."
+)
+
 STEPPED_DIRECTLY = (
     "Accumulate: the inner {name} was stepped directly, not through the wrapper, while the "
     "wrapper accumulates its gradients (the update would use a partial window). It was not "
@@ -85,6 +95,9 @@ class WindowGuard:
         self.stride = 1
         self.lrs: list[Any] | None = None
         self.micro_step = 0  # the window's micro-steps when they were noted
+        # LR schedulers stepping the wrapper (weakly) and their last_epoch at the last update
+        self.schedulers: list[tuple[weakref.ref[Any], int]] = []
+        self.step_called = False  # torch's LRScheduler handshake (see scheduler_handshake)
 
     def forget(self) -> None:
         """A new window opened, or the window's gradients moved on purpose (a checkpoint
@@ -113,8 +126,11 @@ class WindowGuard:
         # an evenly spaced sample of at most _SAMPLE (zeroing in place hits every parameter)
         grads = list(map(_GRAD, in_grad))
         held = list(map(is_not, grads, repeat(None)))
-        self.params = list(compress(in_grad, held))
-        self.grads = list(compress(grads, held))
+        if all(held):  # the usual case: every parameter was reached by the first micro-step
+            self.params, self.grads = in_grad, grads
+        else:
+            self.params = list(compress(in_grad, held))
+            self.grads = list(compress(grads, held))
         self.stride = max(1, len(self.grads) // _SAMPLE)
         self.versions = list(map(_VERSION, self.grads[:: self.stride]))
 
@@ -143,6 +159,26 @@ class WindowGuard:
         if not bad:
             return None
         return WIPED.format(what=bad[0][1], count=len(bad), shape=tuple(bad[0][0].shape))
+
+    def schedulers_ahead(self) -> str | None:
+        """Why the window must not be applied because a scheduler stepped more than once
+        since the last update, or None."""
+        for ref, mark in self.schedulers:
+            scheduler = ref()
+            now = getattr(scheduler, "last_epoch", None)
+            if isinstance(now, int) and now - mark > 1:
+                name = type(scheduler).__name__
+                return SCHEDULER_AHEAD.format(name=name, count=now - mark, mark=mark, now=now)
+        return None
+
+    def mark_schedulers(self) -> None:
+        """An update was applied (or the window dropped, a checkpoint loaded): from here each
+        scheduler may step once before the next update."""
+        self.schedulers = [
+            (ref, scheduler.last_epoch)
+            for ref, scheduler in ((ref, ref()) for ref, _ in self.schedulers)
+            if scheduler is not None
+        ]
 
     def lr_changed(self, groups: list[dict[str, Any]]) -> str | None:
         """Why the window must not be applied with the groups' learning rates, or None."""
@@ -207,11 +243,39 @@ def check_close(opt: AccumulatingOptimizer) -> None:
 
 
 def check_lr(opt: AccumulatingOptimizer) -> None:
-    """Before the inner step: refuse a learning rate changed inside the window (the window
-    stays closed and intact; a retried ``step()`` checks again)."""
-    problem = opt._guard.lr_changed(opt.param_groups)
+    """Before the inner step: refuse a learning rate changed inside the window, or a scheduler
+    stepped more than once since the last update (the window stays closed and intact; a
+    retried ``step()`` checks again)."""
+    problem = opt._guard.lr_changed(opt.param_groups) or opt._guard.schedulers_ahead()
     if problem is not None:
         raise RuntimeError(problem)
+
+
+def _handshake_get(opt: AccumulatingOptimizer) -> bool:
+    """``opt._opt_called``, read by torch's ``LRScheduler.step`` on its first call after
+    construction (to warn about a scheduler stepped before the optimizer): the scheduler
+    calling is recorded (weakly) with its ``last_epoch``, so that :func:`check_lr` can tell a
+    scheduler stepped every micro-step even when its learning rate does not change inside a
+    window (``StepLR`` with a step size that is a multiple of the window)."""
+    guard = opt.__dict__.get("_guard")
+    frame = sys._getframe(1)
+    owner = frame.f_locals.get("self") if frame.f_code.co_name == "step" else None
+    if guard is not None and getattr(owner, "optimizer", None) is opt:
+        epoch = getattr(owner, "last_epoch", None)
+        known = any(ref() is owner for ref, _ in guard.schedulers)
+        if isinstance(epoch, int) and not known:
+            guard.schedulers.append((weakref.ref(owner), epoch))
+    return bool(guard is not None and guard.step_called)
+
+
+def _handshake_set(opt: AccumulatingOptimizer, value: bool) -> None:
+    """``opt._opt_called = True``: set by the step wrapper a scheduler puts on ``opt``."""
+    guard = opt.__dict__.get("_guard")
+    if guard is not None:
+        guard.step_called = bool(value)
+
+
+scheduler_handshake = property(_handshake_get, _handshake_set)
 
 
 def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:

@@ -37,7 +37,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
 
     Example::
 
-        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
+        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8, model=model)
         for x, y in loader:                      # micro-batches
             F.cross_entropy(model(x), y).backward()
             opt.step()        # the inner optimizer steps on every 8th backward pass only
@@ -63,9 +63,10 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             parameters; True, every parameter (rollback); False, never.
         nonfinite: inf/NaN micro-batches: None (unchecked), ``"skip_window"``,
             ``"skip_micro_batch"`` (optax ``skip_not_finite``) or ``"raise"``.
-        model: the model the losses come from: counting at its outputs (cheaper with many
-            parameter tensors); with DDP or FSDP2, one gradient sync per update and items
-            summed over the ranks.
+        model: the model the losses come from (the documented setting for an ``nn.Module``):
+            counting at its outputs, one hook per forward call (without it: one hook per
+            parameter tensor per backward pass); with DDP or FSDP2, one gradient sync per
+            update and items summed over the ranks.
         reduce_every_micro_step: synchronise every micro-step, not the closing one.
 
     Attributes:
@@ -139,6 +140,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     micro_step = property(lambda self: self._window.micro_step, doc="Micro-steps in the window.")
     items = property(lambda self: self._window.items, doc=_refusals.ITEMS)
     will_update = property(lambda self: self._window.closed, doc=_refusals.WILL_UPDATE)
+    _opt_called = _guards.scheduler_handshake  # how torch's LR schedulers are seen
 
     def _close_window(self, params: list[Tensor]) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
@@ -258,6 +260,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
                 self._inner_stepping = False
         if self._inner_steps[0] > window.inner_base:  # applied (a post hook may have raised)
             self.updates, self.did_update = window.applied(self.updates), True
+            self._guard.mark_schedulers()
         self.last_window = window.report(self._buffer.grad_norm, self.did_update)
         self._reset_window()  # a schedule's bad size for the next one raises after it
 
@@ -287,6 +290,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._counter.pause("interrupted")  # re-armed once done: an interrupted discard() refuses
         self._restart(clear_grads=True)
         self._sync.release(self._window)
+        self._guard.mark_schedulers()
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:
@@ -353,6 +357,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _checkpoint.load_state_dict(self, state_dict)
         self._guard.forget()  # the window's gradients are the loaded ones
+        self._guard.mark_schedulers()  # a scheduler loaded before the wrapper counts from here
 
     load_state_dict.__doc__ = _checkpoint.load_state_dict.__doc__
     __getstate__ = _checkpoint.getstate
