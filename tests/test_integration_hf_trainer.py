@@ -570,3 +570,83 @@ def test_hf_trainer_example_on_two_ddp_processes_is_exact_at_the_first_window() 
     out = torchrun_example("hf_trainer_charlm.py", "--steps", "4", "--every", "2")
     rels = re.findall(r"theta_0\| = (\d\.\de[+-]\d+)", out)  # both ranks print it
     assert len(rels) == 2 and all(float(r) <= 1e-12 for r in rels), out
+
+
+def wav2vec2_ctc(reduction: str) -> nn.Module:
+    """A tiny Wav2Vec2ForCTC from a config (float64): a stock model whose loss is a CTC sum
+    (``ctc_loss_reduction="sum"``, its default) or a mean of per-sequence means."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        vocab_size=6, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+        ctc_loss_reduction=reduction, pad_token_id=0,
+    )  # fmt: skip
+    return Wav2Vec2ForCTC(config).double()
+
+
+def speech(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, 6, (n,), generator=g).tolist()  # ragged label lengths
+    return [
+        {"input_values": torch.randn(400, generator=g, dtype=torch.float64),
+         "labels": torch.randint(1, 6, (length,), generator=g)}
+        for length in lengths
+    ]  # fmt: skip
+
+
+def collate_speech(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    labels = torch.nn.utils.rnn.pad_sequence([r["labels"] for r in rows], True, -100)
+    return {"input_values": torch.stack([r["input_values"] for r in rows]), "labels": labels}
+
+
+class InOrder:
+    def _get_train_sampler(self, *_: Any) -> Any:
+        return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[attr-defined]
+
+
+class RowsTrainer(InOrder, AccumulateTrainer):
+    def count_items(self, inputs: Any) -> int:
+        return int(inputs["labels"].shape[0])  # a CTC "mean" loss is a mean over sequences
+
+
+class PlainInOrder(InOrder, Trainer):
+    pass
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_hf_trainer_refuses_a_stock_model_whose_loss_is_not_a_label_mean(reduction: str) -> None:
+    """Wav2Vec2ForCTC (loss_type "ForCTC"): weighting its loss by its labels trained silently
+    wrong (rel 0.97 with the default "sum", 0.074 with "mean", found by review); refused at
+    train() before any update. With count_items overridden (rows, for "mean") it is exact up to
+    CTC's float32 internals."""
+    data = speech(12)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = wav2vec2_ctc(reduction)
+        theta0 = flat(model)
+        opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.05), every=3)
+        args = targs(tmp, 2, num_train_epochs=1, max_grad_norm=0.0, learning_rate=0.05)
+        kwargs = {"args": args, "train_dataset": data, "data_collator": collate_speech}
+        trainer = AccumulateTrainer(model=model, optimizers=(opt, None), **kwargs)
+        with pytest.raises(RuntimeError, match="loss_type 'ForCTC'.* silently wrong"):
+            trainer.train()
+        assert opt.updates == 0 and torch.equal(flat(model), theta0)
+        if reduction == "sum":
+            return
+        trainer = RowsTrainer(model=model, optimizers=(opt, None), **kwargs)
+        trainer.train()
+        reference = wav2vec2_ctc(reduction)
+        plain = PlainInOrder(
+            model=reference,
+            args=targs(tmp, 6, num_train_epochs=1, max_grad_norm=0.0, learning_rate=0.05),
+            train_dataset=data,
+            data_collator=collate_speech,
+            optimizers=(torch.optim.SGD(reference.parameters(), lr=0.05), None),
+        )
+        plain.train()
+        assert opt.updates == 2
+        assert rel(model, reference, theta0) < 1e-6

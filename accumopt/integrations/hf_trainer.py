@@ -16,7 +16,9 @@ How it fits the Trainer's loop (transformers 5.x):
 - A micro-batch's loss is the Trainer's (``compute_loss`` with ``num_items_in_batch=None``: the
   mean over its items, from the model or ``compute_loss_func``) times its item count
   (:meth:`AccumulateTrainer.count_items`), weighted with ``opt.next_items(n)``: each update is
-  the mean over every item of the window, over all ranks, with or without loss kwargs.
+  the mean over every item of the window, over all ranks, with or without loss kwargs. A model
+  whose loss is another kind (``loss_type`` ``ForCTC``...) is refused at ``train()`` unless
+  ``count_items`` is overridden (``accumopt/integrations/_hf_loss.py``).
 - The Trainer's ``optimizer.step()`` steps (or flushes) the wrapper, so its ``model.zero_grad()``
   runs between windows only; clipping is the wrapper's (``max_grad_norm``), and the logged
   ``grad_norm`` is the window's pre-clip norm. Under DDP: ``opt.set_model(ddp_model)``.
@@ -35,9 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from accumopt._grads import params_of
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.distributed import is_distributed
+from accumopt.integrations._hf_loss import loss_refusal, zero_loss
 
 
 class TransformersMissing(ImportError):
@@ -196,7 +198,14 @@ class AccumulateTrainer(Trainer):
     def check_supported(self) -> None:
         """Run by :meth:`train`. Raises RuntimeError for setups whose gradients the wrapper
         cannot own: DeepSpeed, FSDP, an fp16 ``GradScaler`` (bf16 needs none), ``DataParallel``,
-        context/sequence parallelism, ``auto_find_batch_size``."""
+        context/sequence parallelism, ``auto_find_batch_size``; a model whose loss is not a
+        mean over the items :meth:`count_items` counts (``_hf_loss.loss_refusal``)."""
+        own_count = type(self).count_items is not AccumulateTrainer.count_items
+        own_loss = self.compute_loss_func is not None
+        own_loss |= type(self).compute_loss is not Trainer.compute_loss
+        model = self.accelerator.unwrap_model(self.model)
+        if (loss := loss_refusal(model, own_count, own_loss)) is not None:
+            raise RuntimeError(loss)
         problems = []
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             problems.append("DeepSpeed/FSDP (they own the gradients)")
@@ -315,7 +324,7 @@ class AccumulateTrainer(Trainer):
                 loss_sum: Tensor = self.compute_loss(model, inputs) * n  # type: ignore[assignment]
             else:  # a mean over no item is NaN: backpropagate an exact zero instead
                 _, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss_sum = _zero_loss(outputs, self.accumulate)
+                loss_sum = zero_loss(outputs, self.accumulate)
         self.accumulate.next_items(n)
         self.accelerator.backward(loss_sum)
         shown: Tensor = loss_sum.detach() / max(self._window_items, float(n), 1.0)
@@ -385,12 +394,3 @@ def _find(opt: Any) -> AccumulatingOptimizer | None:
     while opt is not None and not isinstance(opt, AccumulatingOptimizer):
         opt = getattr(opt, "optimizer", None)
     return opt
-
-
-def _zero_loss(outputs: Any, opt: AccumulatingOptimizer) -> Tensor:
-    """An exact zero through the model's outputs but the loss (so that DDP and the wrapper see
-    a normal pass); through the parameters if no output needs a gradient."""
-    pairs = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs)
-    tensors = [v for k, v in pairs if k not in ("loss", 0) and isinstance(v, Tensor)]
-    tensors = [t for t in tensors if t.requires_grad] or list(params_of(opt.param_groups))
-    return sum((t.nan_to_num().sum() * 0.0 for t in tensors), tensors[0].new_zeros(()))
