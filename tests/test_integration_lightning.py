@@ -161,6 +161,37 @@ def test_lightning_automatic_optimization_exact_with_ragged_batch_and_short_last
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
 
 
+class Skips(Net):
+    """``training_step`` returns None (Lightning skips the batch) for the batches in ``skip``."""
+
+    def __init__(self, skip: set[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.skip = skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx in self.skip else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("skip", "every"), [(6, 3), (6, 2), (5, 2), (3, 3)])
+def test_lightning_training_step_returning_none_skips_the_batch_exactly(
+    skip: int, every: int
+) -> None:
+    """A skipped batch adds nothing to the window; the epoch's last batch skipped with the
+    window empty used to crash ("no backward pass since the last step()"; found by review)."""
+    module = Skips({skip}, every=every)
+    fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    x, y = data()
+    kept = [i for b in range(7) if b != skip for i in range(3 * b, min(3 * b + 3, ROWS))]
+    windows = [kept[i : i + every * MICRO] for i in range(0, len(kept), every * MICRO)]
+    reference = Net()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for rows in windows:
+        opt.zero_grad()
+        F.mse_loss(reference.net(x[rows]), y[rows], reduction="sum").div(len(rows)).backward()
+        opt.step()
+    assert rel(module, reference) < 1e-12
+
+
 @pytest.mark.parametrize("window", ["every", "every_items"])
 def test_lightning_manual_optimization_exact_with_ragged_batch_and_short_last_window(
     window: str,

@@ -233,13 +233,15 @@ class AccumulateCallback(pl.Callback):
             )
         if closure is not None and _next_closes(acc):  # its backward pass closes the window
             return LightningOptimizer.step(lopt, closure, **kwargs)
-        value = None
+        value, before = None, acc.micro_step
         if closure is not None:
             with torch.enable_grad():
                 value = closure()  # the micro-step's forward and backward, before deciding
         if acc.will_update:
             return LightningOptimizer.step(lopt, lambda: value, **kwargs)
-        acc.step()  # a micro-step inside the window (raises without a backward pass)
+        if closure is None or value is not None or acc.micro_step != before:
+            acc.step()  # a micro-step inside the window (raises without a backward pass)
+        # else: training_step returned None (Lightning skips the batch): no micro-step to end
         if trainer.training and loop._num_ready_batches_reached():
             self._flushed[id(acc)] = batch
             _apply_last_window(lopt, acc, trainer)
