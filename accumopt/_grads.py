@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -20,9 +21,12 @@ def params_of(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
     return [p for group in param_groups for p in group["params"]]  # type: ignore[attr-defined]
 
 
+_GRAD = attrgetter("grad")
+
+
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     """The ``.grad`` tensors that exist, in parameter order."""
-    return [p.grad for p in params if p.grad is not None]
+    return [g for g in map(_GRAD, params) if g is not None]
 
 
 def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -32,6 +36,7 @@ def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
 
 
 _TENSOR_DIVISOR = (torch.float32, torch.float64)
+_KIND = attrgetter("dtype", "is_cpu", "is_sparse")  # one C-level pass over the gradients
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,18 +54,21 @@ def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
     number, with bit-identical results (the number is rounded to the gradients' dtype either
     way). Other dtypes divide by the number itself (a bf16/fp16 gradient is not divided by a
     divisor rounded to bf16/fp16), and so do accelerators (a new device tensor would cost a
-    host-to-device copy; their foreach kernels are fused anyway).
+    host-to-device copy; their foreach kernels are fused anyway). The usual case (dense CPU
+    gradients of one such dtype) is recognised in one pass over the gradients and divided in
+    one call.
     """
+    if not isinstance(divisor, Tensor):
+        kinds = set(map(_KIND, grads))
+        if len(kinds) == 1:
+            dtype, cpu, sparse = next(iter(kinds))
+            if cpu and not sparse and dtype in _TENSOR_DIVISOR:
+                torch._foreach_div_(grads, _cpu_scalar(float(divisor), dtype))
+                return
     dense, sparse = _split_sparse(grads)
     if dense and isinstance(divisor, Tensor):
         torch._foreach_div_(dense, divisor)
     elif dense:
-        dtypes = {g.dtype for g in dense}
-        if len(dtypes) == 1 and all(g.is_cpu for g in dense):  # the usual case: one call
-            dtype = next(iter(dtypes))
-            fast = dtype in _TENSOR_DIVISOR
-            torch._foreach_div_(dense, _cpu_scalar(float(divisor), dtype) if fast else divisor)
-            dense = []
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in dense:
             groups.setdefault((g.device, g.dtype), []).append(g)

@@ -58,7 +58,7 @@ def repeated(window: Piece, n: int) -> Piece:
 NOT_MET = "target from issue 14, not met yet"
 
 
-def cases(grid: list[tuple[Any, Any]], missing: set[Any], ids: list[str]) -> list[object]:
+def cases(grid: list[tuple[Any, ...]], missing: set[Any], ids: list[str]) -> list[object]:
     """``pytest.param`` for each pair of ``grid``, marked xfail (:data:`NOT_MET`, not strict: a
     pass shows as XPASS) where the pair is in ``missing`` (it misses its target today)."""
     xfail = [pytest.mark.xfail(strict=False, reason=NOT_MET)]

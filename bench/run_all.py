@@ -228,16 +228,14 @@ def counting_block(data: dict[str, Any]) -> str:
         return missing("counting")
     models = list(dict.fromkeys(r["model"] for r in results))
     ks = sorted({r["k"] for r in results})
-    return "\n\n".join(
-        [
-            models_line(results),
-            "`Accumulate(SGD, every=k)` (counting at the parameters) / hand loop, thread-CPU "
-            "median of the per-round ratio (IQR; A/A spread):",
-            grid(results, "model \\ k", models, "model", ks, "k", cell),
-            verdicts(results),
-            load_line(results),
+    parts = [models_line(results)]
+    for way in dict.fromkeys(r["contender"] for r in results):
+        mine = [r for r in results if r["contender"] == way]
+        parts += [
+            f"**{way}** / hand loop, thread-CPU median of the per-round ratio (IQR; A/A spread):",
+            grid(mine, "model \\ k", models, "model", ks, "k", cell),
         ]
-    )
+    return "\n\n".join([*parts, verdicts(results), load_line(results)])
 
 
 def import_block(data: dict[str, Any]) -> str:

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"max |param diff| after AdamW = {param_diff:.2e}"
     )
 
-    opt = Accumulate(make_optimizer(model, args.lr), every=every)
+    opt = Accumulate(make_optimizer(model, args.lr), every=every, model=model)
     bar = tqdm(epochs, desc="epochs", unit="epoch")
     for batches in bar:
         loss_sum = 0.0
