@@ -58,13 +58,14 @@ FOREIGN_ACCUMULATION = (
     "accumopt.integrations. Call opt.discard() after changing the configuration."
 )
 
-SCHEDULER_AHEAD = (
-    "Accumulate: the LR scheduler {name} stepped {count} times since the last update (from "
-    "last_epoch {mark} to {now}); expected at most once per update (if opt.did_update: "
-    "scheduler.step()). Stepped every micro-step, it counts micro-steps, not updates, and its "
-    "schedule runs ahead even where its learning rate does not change inside a window. "
-    "Nothing was applied. Step the scheduler only when opt.did_update, restore its state "
-    "(scheduler.load_state_dict) and call opt.discard() to drop this window."
+SCHEDULER_INSIDE = (
+    "Accumulate: the LR scheduler {name} was stepped inside the open window (last_epoch from "
+    "{mark} at its first micro-step to {now}); expected scheduler.step() only after a real "
+    "update (if opt.did_update: scheduler.step()), or at an epoch end after opt.flush(). "
+    "Stepped every micro-step, it counts micro-steps, not updates, and its schedule runs ahead "
+    "even where its learning rate does not change inside a window. Nothing was applied. Restore "
+    "the scheduler's state (scheduler.load_state_dict) and call opt.discard() to drop this "
+    "window."
 )
 
 STEPPED_DIRECTLY = (
@@ -95,8 +96,8 @@ class WindowGuard:
         self.stride = 1
         self.lrs: list[Any] | None = None
         self.micro_step = 0  # the window's micro-steps when they were noted
-        # LR schedulers stepping the wrapper (weakly) and their last_epoch at the last update
-        self.schedulers: list[tuple[weakref.ref[Any], int]] = []
+        # LR schedulers stepping the wrapper (weakly), their last_epoch when noted (or None)
+        self.schedulers: list[tuple[weakref.ref[Any], int | None]] = []
         self.step_called = False  # torch's LRScheduler handshake (see scheduler_handshake)
 
     def forget(self) -> None:
@@ -105,6 +106,7 @@ class WindowGuard:
         reference kept to the window's gradients (they must be freed with the window)."""
         self.params = self.lrs = None
         self.grads = []
+        self.schedulers = [(ref, None) for ref, _ in self.schedulers if ref() is not None]
 
     def note(
         self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None, micro_step: int
@@ -119,6 +121,7 @@ class WindowGuard:
         """
         self.lrs = [g.get("lr") for g in groups]
         self.micro_step = micro_step
+        self.schedulers = [(ref, getattr(ref(), "last_epoch", None)) for ref, _ in self.schedulers]
         if in_grad is None:
             self.params = None
             return
@@ -160,25 +163,14 @@ class WindowGuard:
             return None
         return WIPED.format(what=bad[0][1], count=len(bad), shape=tuple(bad[0][0].shape))
 
-    def schedulers_ahead(self) -> str | None:
-        """Why the window must not be applied because a scheduler stepped more than once
-        since the last update, or None."""
+    def scheduler_stepped(self) -> str | None:
+        """Why the window must not be applied because a scheduler stepped inside it, or None."""
         for ref, mark in self.schedulers:
-            scheduler = ref()
-            now = getattr(scheduler, "last_epoch", None)
-            if isinstance(now, int) and now - mark > 1:
-                name = type(scheduler).__name__
-                return SCHEDULER_AHEAD.format(name=name, count=now - mark, mark=mark, now=now)
+            now = getattr(ref(), "last_epoch", None)
+            if mark is not None and now != mark:
+                name = type(ref()).__name__
+                return SCHEDULER_INSIDE.format(name=name, mark=mark, now=now)
         return None
-
-    def mark_schedulers(self) -> None:
-        """An update was applied (or the window dropped, a checkpoint loaded): from here each
-        scheduler may step once before the next update."""
-        self.schedulers = [
-            (ref, scheduler.last_epoch)
-            for ref, scheduler in ((ref, ref()) for ref, _ in self.schedulers)
-            if scheduler is not None
-        ]
 
     def lr_changed(self, groups: list[dict[str, Any]]) -> str | None:
         """Why the window must not be applied with the groups' learning rates, or None."""
@@ -246,7 +238,7 @@ def check_lr(opt: AccumulatingOptimizer) -> None:
     """Before the inner step: refuse a learning rate changed inside the window, or a scheduler
     stepped more than once since the last update (the window stays closed and intact; a
     retried ``step()`` checks again)."""
-    problem = opt._guard.lr_changed(opt.param_groups) or opt._guard.schedulers_ahead()
+    problem = opt._guard.lr_changed(opt.param_groups) or opt._guard.scheduler_stepped()
     if problem is not None:
         raise RuntimeError(problem)
 
@@ -254,17 +246,20 @@ def check_lr(opt: AccumulatingOptimizer) -> None:
 def _handshake_get(opt: AccumulatingOptimizer) -> bool:
     """``opt._opt_called``, read by torch's ``LRScheduler.step`` on its first call after
     construction (to warn about a scheduler stepped before the optimizer): the scheduler
-    calling is recorded (weakly) with its ``last_epoch``, so that :func:`check_lr` can tell a
-    scheduler stepped every micro-step even when its learning rate does not change inside a
-    window (``StepLR`` with a step size that is a multiple of the window)."""
+    calling is recorded (weakly), its ``last_epoch`` noted with the window's state after each
+    window's first micro-step, so that :func:`check_lr` can tell a scheduler stepped inside a
+    window even when its learning rate does not change there (``StepLR`` stepped every
+    micro-step with a step size that is a multiple of the window). Stepping between windows
+    (after an update, as often as the caller likes: Accelerate steps once per process) is
+    not looked at."""
     guard = opt.__dict__.get("_guard")
     frame = sys._getframe(1)
     owner = frame.f_locals.get("self") if frame.f_code.co_name == "step" else None
     if guard is not None and getattr(owner, "optimizer", None) is opt:
         epoch = getattr(owner, "last_epoch", None)
         known = any(ref() is owner for ref, _ in guard.schedulers)
-        if isinstance(epoch, int) and not known:
-            guard.schedulers.append((weakref.ref(owner), epoch))
+        if isinstance(epoch, int) and not known:  # noted now if a window is open (not stepped)
+            guard.schedulers.append((weakref.ref(owner), epoch if guard.lrs is not None else None))
     return bool(guard is not None and guard.step_called)
 
 

@@ -260,7 +260,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
                 self._inner_stepping = False
         if self._inner_steps[0] > window.inner_base:  # applied (a post hook may have raised)
             self.updates, self.did_update = window.applied(self.updates), True
-            self._guard.mark_schedulers()
         self.last_window = window.report(self._buffer.grad_norm, self.did_update)
         self._reset_window()  # a schedule's bad size for the next one raises after it
 
@@ -290,7 +289,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._counter.pause("interrupted")  # re-armed once done: an interrupted discard() refuses
         self._restart(clear_grads=True)
         self._sync.release(self._window)
-        self._guard.mark_schedulers()
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:
@@ -357,7 +355,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _checkpoint.load_state_dict(self, state_dict)
         self._guard.forget()  # the window's gradients are the loaded ones
-        self._guard.mark_schedulers()  # a scheduler loaded before the wrapper counts from here
 
     load_state_dict.__doc__ = _checkpoint.load_state_dict.__doc__
     __getstate__ = _checkpoint.getstate

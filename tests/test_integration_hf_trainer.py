@@ -632,7 +632,7 @@ def test_hf_trainer_refuses_a_stock_model_whose_loss_is_not_a_label_mean(reducti
         args = targs(tmp, 2, num_train_epochs=1, max_grad_norm=0.0, learning_rate=0.05)
         kwargs = {"args": args, "train_dataset": data, "data_collator": collate_speech}
         trainer = AccumulateTrainer(model=model, optimizers=(opt, None), **kwargs)
-        with pytest.raises(RuntimeError, match="loss_type 'ForCTC'.* silently wrong"):
+        with pytest.raises(RuntimeError, match=r"loss_type 'ForCTC'.* silently wrong"):
             trainer.train()
         assert opt.updates == 0 and torch.equal(flat(model), theta0)
         if reduction == "sum":
