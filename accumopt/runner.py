@@ -12,18 +12,22 @@ retried smaller, and no sample is lost or counted twice.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor
 
 from accumopt import _tree
-from accumopt._checks import check_count, check_count_tensor, positive_int
+from accumopt._checks import positive_int
+from accumopt._loss_result import NOT_TRAINED, parse
 from accumopt._module_state import ModuleState
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
+
+Scaler: TypeAlias = "torch.amp.GradScaler | None"
+"""The wrapper's ``GradScaler`` while it is enabled, else None (read once per batch)."""
 
 LossFn = Callable[[Any], Any]
 """``loss_fn(micro_batch)`` returns ``loss``, ``(loss, items)`` or ``(loss, items, outputs)``."""
@@ -219,27 +223,38 @@ class MicroBatchRunner:
         micro-batch that raised it.
         """
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
+        scaler = self.optimizer.scaler
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        totals = _Totals(return_outputs)
+        if self._fixed is None:
+            self._run_auto(rows_of, scaler, totals)
+        else:  # every piece cut at once, none ever retried
+            for piece, rows in rows_of.split(self._fixed):
+                if self.model is not None:
+                    warn_small_batchnorm(self.model, rows)
+                totals.add(*self._forward_backward(piece, rows, totals.first, scaler), rows)
+                self._step(scaler)
+        return totals.result()
+
+    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: _Totals) -> None:
+        """The ``"auto"`` loop: an attempt that runs out of memory is rolled back and retried
+        smaller (a snapshot of the buffers and generators is taken before each attempt)."""
         n = rows_of.rows
         if self._ranks is not None:
             self._ranks.check_same_rows(n, "MicroBatchRunner")
-        key = rows_of.shape_key() if self._fixed is None else None
-        total_loss: Tensor | None = None
-        total_items = 0.0
-        outputs: list[Any] = []
-        sizes: list[int] = []
+        key = rows_of.shape_key()
         offset = 0
         while offset < n:
             size = self._propose(key, n - offset)
             failure = None
-            state = self._snapshot()  # None with a fixed size: nothing is ever retried
+            state = self._snapshot()
+            result = None
             try:
                 piece = rows_of(offset, offset + size)
-                first = outputs[0] if return_outputs and outputs else None
-                loss, items, out = self._forward_backward(piece, size, first)
+                result = self._forward_backward(piece, size, totals.first, scaler)
             except Exception as err:  # re-raised below unless it is an OOM we handle
-                if state is None or not is_oom(err):
-                    if state is not None:
-                        state.restore()
+                if not is_oom(err):
+                    state.restore()
                     raise
                 failure = f"{type(err).__name__}: {err}"
             if self._ranks is not None:  # all ranks back off together, or none does
@@ -249,50 +264,37 @@ class MicroBatchRunner:
                 if failure is None:
                     self.optimizer._commit_deferred()
             if failure is not None:  # outside the except block: the traceback is gone
-                piece = None
-                assert state is not None  # only "auto" retries, and it always takes a snapshot
+                piece = result = None
                 self._recover(key, size, failure, state)
                 continue
-            if self.sizer is not None:
-                self.sizer.succeeded(key, size)
-            self._step()
-            total_loss = loss if total_loss is None else total_loss + loss
-            total_items += items
-            if return_outputs and out is not None:
-                outputs.append(out)
-                sizes.append(size)
+            assert self.sizer is not None and result is not None
+            self.sizer.succeeded(key, size)
+            self._step(scaler)
+            totals.add(*result, size)
             offset += size
-        assert total_loss is not None  # n >= 1
-        mean = total_loss / total_items if total_items > 0 else torch.zeros_like(total_loss)
-        if return_outputs:
-            return mean, (_tree.concat(outputs, sizes=sizes) if outputs else None)
-        return mean
 
     def _propose(self, key: Hashable, available: int) -> int:
-        if self._fixed is not None:
-            size = min(self._fixed, available)
-        else:
-            if self.sizer is None:
-                self.sizer = MicroBatchSizer(
-                    self._start or available,
-                    tolerance=self._tolerance,
-                    grow_after=self._grow_after,
-                    max_size=self._max_size,
-                )
-            size = self.sizer.propose(key, available)
+        if self.sizer is None:
+            self.sizer = MicroBatchSizer(
+                self._start or available,
+                tolerance=self._tolerance,
+                grow_after=self._grow_after,
+                max_size=self._max_size,
+            )
+        size = self.sizer.propose(key, available)
         if self.model is not None:
             warn_small_batchnorm(self.model, size)
         return size
 
     def _forward_backward(
-        self, piece: Any, rows: int, first_out: Any = None
+        self, piece: Any, rows: int, first_out: Any, scaler: Scaler
     ) -> tuple[Tensor, float, Any]:
-        loss, items, out = _parse(self.loss_fn(piece), rows)
+        loss, items, out = parse(self.loss_fn(piece), rows)
         if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
             raise ValueError(  # before the backward pass: this micro-batch is not counted
                 "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
                 "micro-batch's (other keys or leaves); expected one structure for every "
-                f"micro-batch with return_outputs=True. {_NOT_TRAINED}"
+                f"micro-batch with return_outputs=True. {NOT_TRAINED}"
             )
         if self.loss_reduction == "mean":
             if items == 0:
@@ -302,24 +304,19 @@ class MicroBatchRunner:
                 loss = sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
             else:
                 loss = loss * items
-        scaler = self.optimizer.scaler
-        scaled = scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss
-        self.optimizer.backward(scaled, items=items)
+        self.optimizer.backward(loss if scaler is None else scaler.scale(loss), items=items)
         return loss.detach(), items, out
 
-    def _step(self) -> None:
-        scaler = self.optimizer.scaler
-        if scaler is not None and scaler.is_enabled():
+    def _step(self, scaler: Scaler) -> None:
+        if scaler is None:
+            self.optimizer.step()
+        else:
             scaler.step(self.optimizer)
             scaler.update()
-        else:
-            self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def _snapshot(self) -> ModuleState | None:
-        """With ``"auto"``, what the coming attempt may change outside the gradients."""
-        if self._fixed is not None:
-            return None
+    def _snapshot(self) -> ModuleState:
+        """What the coming ``"auto"`` attempt may change outside the gradients."""
         params = (p for g in self.optimizer.param_groups for p in g["params"])  # lazy: CUDA only
         return ModuleState(self._state_model, params, self.device)
 
@@ -338,63 +335,33 @@ class MicroBatchRunner:
             ) from None
 
 
-_NOT_TRAINED = (
-    "The micro-batches before this one were trained; this one and the rest of the batch were not."
-)
+class _Totals:
+    """One batch's running loss sum and item count, and its outputs with ``return_outputs``."""
 
+    __slots__ = ("first", "items", "keep", "losses", "outputs", "sizes")
 
-def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
-    """Split ``loss_fn``'s result into (loss, items, outputs), refusing what cannot be counted."""
-    if isinstance(result, tuple) and len(result) in (2, 3):
-        loss, items = result[0], _items(result[1])
-        out = result[2] if len(result) == 3 else None
-    elif isinstance(result, Tensor):
-        loss, items, out = result, float(rows), None
-    else:
-        raise TypeError(
-            f"MicroBatchRunner: loss_fn returned a {type(result).__qualname__}; expected a loss "
-            "tensor, (loss, items) or (loss, items, outputs). Return the micro-batch's loss "
-            f"first. {_NOT_TRAINED}"
-        )
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a "
-            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad. "
-            f"Return the loss tensor itself, not loss.item(). {_NOT_TRAINED}"
-        )
-    if loss.numel() != 1 or not loss.requires_grad:
-        wrong = (
-            f"of shape {tuple(loss.shape)}"
-            if loss.numel() != 1
-            else "that does not require grad (computed under torch.no_grad() or detached)"
-        )
-        raise ValueError(
-            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a tensor {wrong}; expected "
-            "a one-element tensor that requires grad: the micro-batch's summed loss (its mean "
-            "with loss_reduction='mean'). Reduce it with .sum() and keep autograd on. "
-            + _NOT_TRAINED
-        )
-    return loss, items, out
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep  # return_outputs
+        self.losses: list[Tensor] = []
+        self.items = 0.0
+        self.outputs: list[Any] = []
+        self.sizes: list[int] = []
+        self.first: Any = None  # the first micro-batch's outputs, which the others must match
 
+    def add(self, loss: Tensor, items: float, out: Any, rows: int) -> None:
+        self.losses.append(loss)
+        self.items += items
+        if self.keep and out is not None:
+            self.outputs.append(out)
+            self.sizes.append(rows)
+            self.first = self.outputs[0]
 
-def _items(items: object) -> float:
-    """``loss_fn``'s item count as a float, or ValueError (read once: one host sync)."""
-    what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
-    try:
-        if not isinstance(items, Tensor):
-            return check_count(items, what, covers, ", which")
-        check_count_tensor(items, f"{what}={_brief(items)}, which")
-        return check_count(items.item(), what, covers, f" (read from {_brief(items)}), which")
-    except ValueError as err:
-        raise ValueError(
-            f"{err} Return (loss, items) with items a Python number or a one-element tensor "
-            f"(e.g. mask.sum()). {_NOT_TRAINED}"
-        ) from None
-
-
-def _brief(value: object) -> str:
-    """``repr(value)`` for an error message: a large tensor by its shape, long text cut."""
-    if isinstance(value, Tensor) and value.numel() > 4:
-        return f"<{value.dtype} tensor of shape {tuple(value.shape)}>"
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 60 else text[:57] + "..."
+    def result(self) -> Any:
+        """The mean loss (0-dim, detached), or ``(mean, outputs)`` with ``return_outputs``."""
+        total = self.losses[0]  # n >= 1 rows: at least one micro-batch
+        for loss in self.losses[1:]:
+            total = total + loss
+        mean = total / self.items if self.items > 0 else torch.zeros_like(total)
+        if not self.keep:
+            return mean
+        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)

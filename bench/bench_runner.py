@@ -44,7 +44,11 @@ TARGETS = {
     (RUNNER_AUTO, HEAVY): 1.05,
 }
 #: (runner, model) pairs that miss their target on the current code (auto on the
-#: compute-heavy MLP: 1.08-1.12 in the two full runs of 2026-12-01)
+#: compute-heavy MLP: 1.08-1.12 in the two full runs of 2026-12-01). Fixed size after the
+#: runner's cheap path (2026-12-01, full run): 1.20 on the tiny MLP, 1.11 on 100 tensors; the
+#: wrapper alone (the same slices through opt.backward(loss, items=m), step and zero_grad by
+#: hand, no runner) measured 1.12 on both, so these targets need a cheaper micro-step in the
+#: wrapper, not in the runner
 MISSING: set[tuple[str, str]] = {
     (RUNNER_FIXED, TINY),
     (RUNNER_FIXED, HUNDRED),
@@ -70,20 +74,26 @@ def test_runner(name: str, model: str, interleave: Interleave) -> None:
         models.append(copy.deepcopy(work.model))
         return models[-1]
 
-    result = interleave(
-        table=TABLE,
-        contender_name=name,
-        model=model,
-        k=K,
-        baseline=lambda: hand_micro_window(fresh(), batch, micro),
-        contender=lambda n: RUNNERS[name](fresh(), batch, micro),
-        rounds=ROUNDS[model],
-        warmup=WARMUP[model],
-        target=TARGETS[name, model],
-        baseline_name="hand micro-batch loop",
-        extra={"description": work.description},
-    )
-    # models: the calibration copy, A, B, then the contender's (A and the contender took the
-    # same steps on the same batches)
-    result["max_param_diff"] = max_param_diff(models[3], models[1])
-    interleave.benchmark.extra_info["max_param_diff"] = result["max_param_diff"]
+    missed = None
+    try:
+        interleave(
+            table=TABLE,
+            contender_name=name,
+            model=model,
+            k=K,
+            baseline=lambda: hand_micro_window(fresh(), batch, micro),
+            contender=lambda n: RUNNERS[name](fresh(), batch, micro),
+            rounds=ROUNDS[model],
+            warmup=WARMUP[model],
+            target=TARGETS[name, model],
+            baseline_name="hand micro-batch loop",
+            extra={"description": work.description},
+        )
+    except pytest.fail.Exception as err:  # the timing missed its target; the run finished
+        missed = err
+    # stored before a miss is reported (the row's timings are stored by then too); models: the
+    # calibration copy, A, B, then the contender's (A and the contender took the same steps on
+    # the same batches)
+    interleave.benchmark.extra_info["max_param_diff"] = max_param_diff(models[3], models[1])
+    if missed is not None:
+        raise missed

@@ -1,0 +1,71 @@
+"""What ``MicroBatchRunner``'s ``loss_fn`` returns, checked before the micro-batch's backward
+pass: a result that cannot be counted is refused there, and the wrapper counts nothing for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from accumopt._checks import check_count, check_count_tensor
+
+NOT_TRAINED = (
+    "The micro-batches before this one were trained; this one and the rest of the batch were not."
+)
+
+
+def parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
+    """Split ``loss_fn``'s result into (loss, items, outputs), refusing what cannot be counted."""
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        loss, items = result[0], _count(result[1])
+        out = result[2] if len(result) == 3 else None
+    elif isinstance(result, Tensor):
+        loss, items, out = result, float(rows), None
+    else:
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned a {type(result).__qualname__}; expected a loss "
+            "tensor, (loss, items) or (loss, items, outputs). Return the micro-batch's loss "
+            f"first. {NOT_TRAINED}"
+        )
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a "
+            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad. "
+            f"Return the loss tensor itself, not loss.item(). {NOT_TRAINED}"
+        )
+    if loss.numel() != 1 or not loss.requires_grad:
+        wrong = (
+            f"of shape {tuple(loss.shape)}"
+            if loss.numel() != 1
+            else "that does not require grad (computed under torch.no_grad() or detached)"
+        )
+        raise ValueError(
+            f"MicroBatchRunner: loss_fn returned loss={_brief(loss)}, a tensor {wrong}; expected "
+            "a one-element tensor that requires grad: the micro-batch's summed loss (its mean "
+            "with loss_reduction='mean'). Reduce it with .sum() and keep autograd on. "
+            + NOT_TRAINED
+        )
+    return loss, items, out
+
+
+def _count(items: object) -> float:
+    """``loss_fn``'s item count as a float, or ValueError (read once: one host sync)."""
+    what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
+    try:
+        if not isinstance(items, Tensor):
+            return check_count(items, what, covers, ", which")
+        check_count_tensor(items, f"{what}={_brief(items)}, which")
+        return check_count(items.item(), what, covers, f" (read from {_brief(items)}), which")
+    except ValueError as err:
+        raise ValueError(
+            f"{err} Return (loss, items) with items a Python number or a one-element tensor "
+            f"(e.g. mask.sum()). {NOT_TRAINED}"
+        ) from None
+
+
+def _brief(value: object) -> str:
+    """``repr(value)`` for an error message: a large tensor by its shape, long text cut."""
+    if isinstance(value, Tensor) and value.numel() > 4:
+        return f"<{value.dtype} tensor of shape {tuple(value.shape)}>"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
