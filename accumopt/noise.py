@@ -19,9 +19,10 @@ and ``G_big`` the all-reduced window. ``B`` is in items for weighted windows
 
 Each part is smoothed separately with an exponential moving average (bias-corrected, so its
 first values are not pulled toward 0), and the noise scale is the ratio of the two averages,
-as in the paper. Cost: two ``torch._foreach_norm`` over the gradients per window (one at the
-first micro-step, one at the boundary), no host sync inside the window: a window's norms are
-read (one ``tolist``) when the next window closes, or when a value is asked for.
+as in the paper. Cost: two squared-norm passes over the gradients per measured window (one at
+the first micro-step, one at the boundary; ``accumopt._squares``), no host sync inside the
+window: a window's norms are read (one ``tolist``) when the next window closes, or when a
+value is asked for.
 
 Assumptions and known bias:
 
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from accumopt import _grads
 from accumopt._checks import positive_int
+from accumopt._squares import SquaredNorm
 
 if TYPE_CHECKING:
     from accumopt._window import Window
@@ -71,15 +73,17 @@ class NoiseScale:
         decay: the EMA decay per measured window, in [0, 1); None: the plain mean over all
             windows.
         every_windows: measure one window in this many (int >= 1; default 1, every window).
-            Each measured window costs two squared-norm passes over the gradients: negligible
-            on a GPU (fused), about 2 us per parameter tensor each on a CPU, where a model of
-            many small tensors and a short window may want ``every_windows=4`` or more to stay
-            under 1 % of the loop (``bench/bench_noise_scale.py`` measures it). Under DDP every
-            rank measures the same windows.
+            Each measured window costs two squared-norm passes over the gradients: fused on
+            a GPU; on a CPU, small gradients are stacked by shape and dotted (about 0.35 us
+            per parameter tensor and pass, reading ``.grad`` included), large ones take a
+            norm per tensor. A window that is not measured costs nothing.
+            ``bench/bench_noise_scale.py`` measures it. Under DDP every rank measures the
+            same windows.
 
     Attributes:
         windows (int): windows that gave an estimate (property).
-        last (tuple[float, float] | None): the last window's unsmoothed ``(tr(Σ), |G|²)``.
+        last (tuple[float, float] | None): the last window's unsmoothed ``(tr(Σ), |G|²)``
+            (property).
         batch_per_micro_step (float | None): the last window's batch (items, or micro-batches
             over all ranks) per micro-step.
     """
@@ -98,13 +102,16 @@ class NoiseScale:
         self.decay, self.every_windows = decay, every_windows
         self._seen = 0  # windows closed so far: window i is measured when i % every_windows == 0
         self._windows = 0
-        self.last: tuple[float, float] | None = None
-        self.batch_per_micro_step: float | None = None
+        self._last: tuple[float, float] | None = None
+        self._per_step: float | None = None  # batch_per_micro_step
         self._sums = [0.0, 0.0, 0.0]  # weighted sums of tr(Σ), |G|², and of the weights
-        self._small: tuple[Tensor, float] | None = None  # this window's |G_small|², 1/B_small
-        self._pending: tuple[tuple[Tensor, Any], float, float] | None = (
-            None  # a closed window, unread
-        )
+        self._small: tuple[Tensor, float] | None = None  # B_small² |G_small|², B_small
+        # a closed window, unread: ((squared norms, CUDA event), host factors to |G_small|²,
+        # 1/B_small, |G_big|² (None: DDP's four all-reduced values), 1/B_big, B per micro-step)
+        self._pending: (
+            tuple[tuple[Tensor, Any], tuple[float, float, float] | None, float, float] | None
+        ) = None
+        self._squares = SquaredNorm()  # sum |g|², planned for the model's gradients
         self._opt: weakref.ref[AccumulatingOptimizer] | None = None
 
     # ------------------------------------------------------------------ reading
@@ -114,6 +121,18 @@ class NoiseScale:
         """Windows that gave an estimate so far."""
         self._read()
         return self._windows
+
+    @property
+    def last(self) -> tuple[float, float] | None:
+        """The last window's unsmoothed ``(tr(Σ), |G|²)`` (None before the first estimate)."""
+        self._read()
+        return self._last
+
+    @property
+    def batch_per_micro_step(self) -> float | None:
+        """The last window's batch per micro-step (items, or micro-batches over all ranks)."""
+        self._read()
+        return self._per_step
 
     @property
     def trace_sigma(self) -> float | None:
@@ -150,14 +169,18 @@ class NoiseScale:
         """Fold the closed window's norms into the averages (one host sync)."""
         if self._pending is None:
             return
-        (packed, done), inv_big, per_step = self._pending
+        (values, done), factors, inv_big, per_step = self._pending
         self._pending = None
         if done is not None:
             done.synchronize()
-        small_sum, inv_small_sum, ranks, big = packed.tolist()
-        if ranks <= 0:
-            return
-        small, inv_small = small_sum / ranks, inv_small_sum / ranks
+        if factors is None:  # DDP: the ranks' small-batch parts summed, and |G_big|²
+            small_sum, inv_small_sum, ranks, big = values.tolist()
+            if ranks <= 0:
+                return
+            small, inv_small = small_sum / ranks, inv_small_sum / ranks
+        else:
+            (small_sq, big_sq), (small_factor, inv_small, big_factor) = values.tolist(), factors
+            small, big = small_sq * small_factor, big_sq * big_factor
         gap = inv_small - inv_big
         if not (gap > 0 and math.isfinite(small) and math.isfinite(big)):
             return  # one batch size only, or an inf/NaN (a window AMP skips)
@@ -166,7 +189,7 @@ class NoiseScale:
         sums = self._sums
         self._sums = [beta * sums[0] + trace, beta * sums[1] + grad, beta * sums[2] + 1.0]
         self._windows += 1
-        self.last, self.batch_per_micro_step = (trace, grad), per_step
+        self._last, self._per_step = (trace, grad), per_step
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -188,15 +211,15 @@ class NoiseScale:
         self.decay = state["decay"]
         self._windows = int(state["windows"])
         self._sums = [float(v) for v in state["sums"]]
-        self.last = None if state["last"] is None else tuple(state["last"])
-        self.batch_per_micro_step = state["batch_per_micro_step"]
+        self._last = None if state["last"] is None else tuple(state["last"])
+        self._per_step = state["batch_per_micro_step"]
         self.every_windows = int(state.get("every_windows", self.every_windows))
         self._seen = int(state.get("seen", 0))
         self._pending = self._small = None
 
     def __getstate__(self) -> dict[str, Any]:
         self._read()
-        return {**self.__dict__, "_opt": None, "_small": None}
+        return {**self.__dict__, "_opt": None, "_small": None, "_squares": SquaredNorm()}
 
     # ------------------------------------------------------------------ the window's hooks
 
@@ -208,42 +231,43 @@ class NoiseScale:
         if opt is None or skipped or synced or (items is not None and items <= 0):
             return
         grads = _grads.grads_of(_grads.params_of(opt.param_groups))
-        if not grads:
-            return
-        n = 1.0 if items is None else float(items)
-        sq = _squared_norm(grads, opt._buffer.loss_scale())
-        self._small = (sq / (n * n), 1.0 / n)
+        if grads:
+            n = 1.0 if items is None else float(items)
+            self._small = (self._squares(grads, opt._buffer.loss_scale()), n)
 
-    def _window_closed(self, sync: Any, window: Window, buffer: WindowBuffer) -> None:
-        """The window's gradient is in ``.grad``: pack both norms (no host sync), read the
-        previous window's."""
+    def _window_closed(
+        self, sync: Any, window: Window, buffer: WindowBuffer, params: list[Tensor]
+    ) -> None:
+        """The window's gradient is in ``.grad``: keep both squared norms (no host sync), read
+        the previous window's."""
         self._read()
         measured, self._seen = self._seen % self.every_windows == 0, self._seen + 1
-        opt = self._opt() if self._opt is not None else None
-        if not measured:
-            return
+        small, self._small = self._small, None
         world = int(getattr(sync, "world_size", 1))
+        if not measured or (small is None and world == 1):  # nothing to estimate from
+            return
         big_batch = window.items if window.weighted else float(window.micro_step * world)
-        if opt is None or big_batch <= 0:
+        grads = _grads.grads_of(params)
+        if big_batch <= 0 or not grads:
             return
-        grads = _grads.grads_of(_grads.params_of(opt.param_groups))
-        if not grads:
+        big = self._squares(grads, buffer.loss_scale())
+        # .grad holds the sum for reduction="sum": the mean is / big_batch
+        big_factor = 1.0 / (big_batch * big_batch) if window.reduction == "sum" else 1.0
+        inv_big, per_step = 1.0 / big_batch, big_batch / window.micro_step
+        if small is not None and world == 1:
+            values = torch.stack([small[0].to(big), big])
+            factors = (1.0 / (small[1] * small[1]), 1.0 / small[1], big_factor)
+            self._pending = (_to_host(values), factors, inv_big, per_step)
             return
-        big = _squared_norm(grads, buffer.loss_scale())
-        if window.reduction == "sum":  # .grad holds the sum: the mean is / big_batch
-            big = big / (big_batch * big_batch)
-        if self._small is None:
-            small, inv_small, count = torch.zeros_like(big), 0.0, 0.0
+        if small is None:  # this rank has no small batch: it counts as 0 ranks
+            part, inv_small, count = torch.zeros_like(big), 0.0, 0.0
         else:
-            small, inv_small, count = self._small[0].to(big), self._small[1], 1.0
+            part, inv_small, count = small[0].to(big) / (small[1] * small[1]), 1.0 / small[1], 1.0
         rest = torch.tensor([inv_small, count], dtype=big.dtype, device=big.device)
-        if world > 1:  # the ranks' small-batch norms summed (big: the same on every rank)
-            packed = torch.cat([small.reshape(1), rest, (big / world).reshape(1)])
-            sync.sum_grads([packed])  # one small all-reduce per update
-        else:
-            packed = torch.cat([small.reshape(1), rest, big.reshape(1)])
-        self._small = None
-        self._pending = (_to_host(packed), 1.0 / big_batch, big_batch / window.micro_step)
+        # the ranks' small-batch parts summed (big: the same on every rank), one all-reduce
+        packed = torch.cat([part.reshape(1), rest, (big * (big_factor / world)).reshape(1)])
+        sync.sum_grads([packed])
+        self._pending = (_to_host(packed), None, inv_big, per_step)
 
 
 def _to_host(packed: Tensor) -> tuple[Tensor, Any]:
@@ -256,39 +280,6 @@ def _to_host(packed: Tensor) -> tuple[Tensor, Any]:
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record()
     return host, done
-
-
-def _squared_norm(grads: list[Tensor], loss_scale: Tensor | None) -> Tensor:
-    """``sum |g|²`` over ``grads`` as a 0-dim tensor (float64 for float64 gradients, else
-    float32), divided by the AMP loss scale squared; no host sync."""
-    try:  # the common case: one device, one dtype, dense: one foreach call, one stack
-        wide = grads[0].dtype == torch.float64
-        norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
-        sq = torch.stack(norms).square().sum()
-        if sq.dtype != (torch.float64 if wide else torch.float32):
-            raise RuntimeError("mixed dtypes")
-    except RuntimeError:
-        sq = _squared_norm_mixed(grads)
-    if loss_scale is not None:
-        sq = sq / loss_scale.to(device=sq.device, dtype=sq.dtype).square()
-    return sq
-
-
-def _squared_norm_mixed(grads: list[Tensor]) -> Tensor:
-    """:func:`_squared_norm` (unscaled) for gradients of several dtypes or devices, or sparse."""
-    wide = [g for g in grads if g.dtype == torch.float64 and not g.is_sparse]
-    rest = [g for g in grads if g.dtype != torch.float64 and not g.is_sparse]
-    norms: list[Tensor] = []
-    if wide:
-        norms += torch._foreach_norm(wide, 2)
-    if rest:
-        norms += torch._foreach_norm(rest, 2, dtype=torch.float32)
-    norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in grads if g.is_sparse]
-    device = norms[0].device
-    dtype = torch.float64 if wide else torch.float32
-    if len({(n.device, n.dtype) for n in norms}) > 1:
-        norms = [n.to(device=device, dtype=dtype) for n in norms]
-    return torch.stack(norms).square().sum()
 
 
 class _NoiseHooks:
@@ -308,7 +299,7 @@ class _NoiseHooks:
         super().close(buffer, params, divisor)  # type: ignore[misc]
         opt = self.noise_scale._opt() if self.noise_scale._opt is not None else None
         if opt is not None:
-            self.noise_scale._window_closed(self, opt._window, buffer)
+            self.noise_scale._window_closed(self, opt._window, buffer, params)
 
 
 _MIXED: dict[type, type] = {}

@@ -4,8 +4,10 @@
 (``loss.backward(); opt.step(); opt.zero_grad()`` per micro-batch, both accumopt), interleaved
 with a second copy of the loop without it (the A/A ratio), on the "100 tensors" and the
 "compute-heavy MLP" workloads of ``_loops.py`` at k = 4 and 8. The estimate adds two
-``torch._foreach_norm`` over the gradients per window (first micro-step, boundary) and a few
-small tensor ops at the boundary: its per-micro-step cost is the ratio, per window of k.
+squared-norm passes over the gradients per measured window (first micro-step, boundary;
+``accumopt._squares``: on a CPU, small gradients stacked by shape and dotted, about 25 us per
+pass for the 100 tensors; large ones one norm per tensor) and a few small tensor ops at the
+boundary: its per-micro-step cost is the ratio, per window of k.
 
 Target (the noise-scale issue): 1.01 per micro-step.
 
@@ -31,8 +33,8 @@ TABLE = "noise scale"
 TARGET = 1.01
 ROUNDS = 41
 WARMUP = 2
-# (workload, k, every_windows): on a CPU the squared norms cost about 2 us per tensor, so the
-# 100-tensor model measures every 4th window too (NoiseScale(every_windows=4))
+# (workload, k, every_windows): the 100-tensor model also measures every 4th window only
+# (NoiseScale(every_windows=4)), which divides the estimate's cost by 4
 CASES = [
     ("100 tensors", 4, 1),
     ("100 tensors", 8, 1),
@@ -43,8 +45,9 @@ CASES = [
 ]
 SLOW_ON_CPU = pytest.mark.xfail(
     strict=False,
-    reason="every window on a CPU model of many small tensors: two foreach norms over 100 "
-    "tensors per window cost more than 1 % (use NoiseScale(every_windows=4) there)",
+    reason="every window of 4 micro-steps on a CPU model of 100 small tensors: the two "
+    "squared-norm passes (about 75 us, the .grad reads and one stack per shape) are about 1 % "
+    "of a 7 ms window, at the target; k=8 or NoiseScale(every_windows=4) stay well under it",
 )
 CONTENDER = "accumopt, noise_scale=True"
 BASELINE = "accumopt"
@@ -58,7 +61,7 @@ def noise_window(model: torch.nn.Module, batches: list[Any], every_windows: int)
 
 
 PARAMS = [
-    pytest.param(n, k, e, marks=[SLOW_ON_CPU] if (n, e) == ("100 tensors", 1) else [])
+    pytest.param(n, k, e, marks=[SLOW_ON_CPU] if (n, k, e) == ("100 tensors", 4, 1) else [])
     for n, k, e in CASES
 ]
 
