@@ -172,8 +172,9 @@ def inseparable_message(closed: bool) -> str:
             "opt.discard() to drop the whole window."
         )
     return (
-        "Accumulate.drop_micro_step: finished micro-steps of the open window live in "
-        ".grad, so the one in flight cannot be dropped alone; expected buffer=True (or "
+        "Accumulate.drop_micro_step: finished micro-steps of the open window are mixed with "
+        "the one in flight (in .grad, or, for bf16/fp16 parameters, in the window buffer "
+        "as autograd produced it), so it cannot be dropped alone; expected buffer=True (or "
         "opt.enable_rollback() before the window) and, under a GradScaler, "
         "scaler.step(opt) after every backward pass."
     )

@@ -9,7 +9,10 @@ after it is complete. Three jobs share that one mechanism:
   seen by any micro-step is remembered and skips the window.
 - **Precision**: bf16/fp16 gradients are summed in float32, so the rounding error of the sum
   does not grow with the number of micro-steps (DeepSpeed's ``BF16_Optimizer`` and Megatron's
-  ``main_grad`` do this inside their engines).
+  ``main_grad`` do this inside their engines). From a window's second micro-step on, each
+  gradient is folded as soon as autograd has accumulated it (``_fold_hooks``), so the sums and
+  at most one bf16/fp16 gradient coexist (about 2x the parameter bytes, not 3x); not under
+  AMP, rollback or ``torch.distributed``, which keep the fold at the micro-step's end.
 - **Rollback**: the micro-step in flight is separable; after an out-of-memory error or a
   non-finite gradient, dropping ``.grad`` removes that micro-step alone and keeps every
   finished one.
@@ -17,19 +20,26 @@ after it is complete. Three jobs share that one mechanism:
 At the boundary :meth:`WindowBuffer.close` merges the buffer and ``.grad`` into the window's
 gradient, in ``.grad``. Memory: one buffer tensor per buffered parameter, in
 ``promote_types(param dtype, float32)`` (4 bytes per element for bf16/fp16/fp32 parameters, 8
-for float64), only while a window is open.
+for float64), only while a window is open. Peak for a bf16 model under the default policy,
+gradients and sums together: 2x the parameter bytes plus its largest parameter's (``bench/
+memory_bf16.py``).
 """
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from accumopt import _grads
+from accumopt._fold_hooks import FoldHooks, fold_one, single_process
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_GRAD = attrgetter("grad")
+_NONES = repeat(None)
 
 
 def buffer_dtype(param: Tensor) -> torch.dtype:
@@ -53,6 +63,9 @@ class WindowBuffer:
             inf/NaN under AMP; None before the first ``scaler.step``.
         unfolded (int): counted micro-steps whose (scaled) gradient is still in ``.grad``,
             waiting for ``scaler.step`` to fold it with its own loss scale.
+        folding (bool): low-precision gradients are folded as autograd accumulates them (the
+            open window has a finished micro-step; default policy, no scaler, no rollback, no
+            process group). The micro-step in flight is then mixed into the sums.
 
     Every method that needs the parameters takes them (``params``: the wrapped parameters in
     state-dict order), so the buffer holds no reference back to the optimizer.
@@ -65,6 +78,7 @@ class WindowBuffer:
         self.buffer_all = buffer_all
         self.scaler = scaler
         self.sums: dict[Tensor, Tensor] = {}
+        self._hooks = FoldHooks(self.fold_accumulated)
         self.reset()
 
     def __bool__(self) -> bool:
@@ -79,6 +93,20 @@ class WindowBuffer:
         self.final = False  # the closed window's gradient is unscaled and clipped
         self.unscaled = False  # the closed window's gradient was divided by the loss scale
         self.grad_norm: Tensor | None = None  # its pre-clip norm, when clipping is on
+        self.folding = False  # from the window's first finished micro-step on
+        self._forget_order()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickling) keeps the sums, not the hooks: they live on
+        the original's parameters; the copy hooks its own at its next micro-step."""
+        state = self.__dict__.copy()
+        del state["_hooks"]
+        state["folding"] = False
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hooks = FoldHooks(self.fold_accumulated)
 
     def loss_scale(self) -> Tensor | None:
         """The scaler's current loss scale as a tensor (no host sync), or None without AMP."""
@@ -116,7 +144,34 @@ class WindowBuffer:
         if self.scaler is not None and self.loss_scale() is not None:
             self.unfolded += 1
         elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
-            self.fold(self.buffered_params(_grads.params_of(param_groups)), None)
+            params = self._buffered
+            if params is None:
+                params = self.buffered_params(_grads.params_of(param_groups))
+            self.fold(params, None)  # what .grad holds: the first micro-step, sparse gradients
+            if not self.folding:
+                self._start_folding(params)
+
+    def _start_folding(self, params: list[Tensor]) -> None:
+        """The open window has a finished micro-step: fold the next ones' low-precision
+        gradients as autograd accumulates them, where the in-flight micro-step need not stay
+        separable and nothing else reads ``.grad`` (see :attr:`folding`). The window's first
+        micro-step is never folded early: the noise scale reads it in ``.grad``, and a
+        backward pass that dies in it leaves its partial gradient in ``.grad`` alone
+        (``zero_grad()`` or ``drop_micro_step()`` clear it); one that dies later leaves
+        counting paused until ``discard()`` (:meth:`reset`)."""
+        allowed = self.policy is None and not self.buffer_all and self.scaler is None
+        if allowed and single_process():
+            self._hooks.watch(params)  # hooks registered once per parameter
+            self.folding = True
+        else:
+            self._hooks.remove()
+
+    def fold_accumulated(self, param: Tensor) -> None:
+        """The post-accumulate-grad hook: fold ``param.grad`` into its sum and release it,
+        while :attr:`folding` (a scaler adopted since, or a parameter no longer in
+        low precision: left in ``.grad``, as without the hook)."""
+        if self.folding and self.scaler is None and param.dtype in _LOW_PRECISION:
+            fold_one(self.sums, param, buffer_dtype(param))
 
     def fold_scaled(self, params: list[Tensor], grad_scale: Tensor | None) -> None:
         """``scaler.step(opt)`` inside the window: fold every parameter, unscaled by the loss
@@ -177,6 +232,8 @@ class WindowBuffer:
         if self.buffer_all:
             return
         self.buffer_all, self._buffered = True, None
+        self.folding = False  # the micro-step in flight must stay separable from now on
+        self._hooks.remove()
         if micro_step and not closed and self.loss_scale() is None:
             self.fold(params, None)
 
@@ -188,8 +245,11 @@ class WindowBuffer:
         Buffered parameters get the merged result cast to their own dtype (the dtype the inner
         optimizer expects); the others are divided in place. The current AMP loss scale is
         re-applied to the buffered sums, so ``.grad`` is in the units ``GradScaler.unscale_``
-        expects. ``divisor`` None or 1: no division.
+        expects. ``divisor`` None or 1: no division. Each sum is freed as soon as it is cast,
+        so the sums and the window's gradient coexist for one parameter at a time.
         """
+        self.folding = False  # the window's gradient is formed: autograd must not move it
+        self._forget_order()
         if not self.sums:  # everything is in .grad: at most one division
             if divisor is not None and divisor != 1:
                 _grads.div_(_grads.grads_of(params), divisor)
@@ -198,22 +258,30 @@ class WindowBuffer:
         with torch.no_grad():
             divide: list[Tensor] = []
             merged: list[tuple[Tensor, Tensor]] = []
+            into: list[Tensor] = []
+            last: list[Tensor] = []  # the closing micro-step's gradients, still in .grad
             for p in params:
-                held = self.sums.pop(p, None)
+                held, g = self.sums.pop(p, None), p.grad
                 if held is None:
-                    if p.grad is not None:
-                        divide.append(p.grad)
+                    if g is not None:
+                        divide.append(g)
                     continue
                 if scale is not None:
                     held.mul_(scale.to(held.device))
-                if p.grad is not None:
-                    held.add_(p.grad)
+                if g is not None:
+                    into.append(held)
+                    last.append(g)
                 divide.append(held)
                 merged.append((p, held))
             self.sums.clear()
+            if into:
+                torch._foreach_add_(into, last)  # type promotion: bf16 into float32 sums
+                last.clear()
             if divisor is not None and divisor != 1:
                 _grads.div_(divide, divisor)
-            for p, total in merged:
+            divide.clear()
+            while merged:
+                p, total = merged.pop()
                 p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
 
     def unscale_closed(self, params: list[Tensor]) -> None:
@@ -242,8 +310,9 @@ class WindowBuffer:
     # ------------------------------------------------------------------ folding
 
     def fold(self, params: list[Tensor], scale: Tensor | None) -> None:
-        """Add each parameter's ``.grad`` (divided by ``scale``) into its sum; ``.grad`` is then
-        released (the first time: it becomes the sum) or zeroed in place (dense, later times).
+        """Add each parameter's ``.grad`` (divided by ``scale``) into its sum, then release
+        ``.grad`` (the first time it becomes the sum, without a copy when the dtypes agree):
+        the next backward pass hands its gradient over to ``.grad`` without an addition.
 
         Args:
             params: parameters whose gradient is folded; those without ``.grad`` are skipped.
@@ -252,9 +321,26 @@ class WindowBuffer:
         if not params:  # the common fp32 case: nothing to do, not even a no_grad scope
             return
         with torch.no_grad():
+            if scale is None and params is self._order:  # the window's later micro-steps
+                grads = list(map(_GRAD, params))
+                if all(map(is_not, grads, _NONES)):  # each has a gradient and a sum: one add
+                    torch._foreach_add_(self._order_sums, grads)
+                    for p in params:
+                        p.grad = None
+                    return
+                if not any(map(is_not, grads, _NONES)):  # the fold hooks took them all
+                    return
             self._fold(params, scale)
 
+    def _forget_order(self) -> None:
+        """No list of sums aligned with the parameters (none holds a sum from now on)."""
+        self._order: list[Tensor] | None = None
+        self._order_sums: list[Tensor] = []
+
     def _fold(self, params: list[Tensor], scale: Tensor | None) -> None:
+        """:meth:`fold` parameter by parameter; each ``.grad`` is released as soon as it was
+        taken (a cast sum and its low-precision gradient coexist for one parameter at a
+        time); then the sums are listed in ``params`` order for the next fold, if all exist."""
         fresh: list[tuple[Tensor, Tensor]] = []
         held: list[Tensor] = []
         incoming: list[Tensor] = []
@@ -262,27 +348,23 @@ class WindowBuffer:
             g = p.grad
             if g is None:
                 continue
+            p.grad = None
             total = self.sums.get(p)
             if total is None:
-                p.grad = None
                 target = buffer_dtype(p)
                 # cast before unscaling: a scaled fp16 value / scale may underflow
                 fresh.append((p, g if g.dtype == target else g.to(target)))
             else:
                 held.append(total)
                 incoming.append(g)
-                if g.is_sparse:
-                    p.grad = None
         if scale is not None:
             _grads.div_([g for _, g in fresh] + incoming, scale)
         if held:
             torch._foreach_add_(held, incoming)  # type promotion: bf16 into float32 sums
-            # A dense .grad is zeroed in place and kept: the next backward pass accumulates
-            # into it (in place, no allocation) instead of creating a new one.
-            dense = [g for g in incoming if not g.is_sparse]
-            if dense:
-                torch._foreach_zero_(dense)
         self.sums.update(fresh)  # the fresh tensors are stolen: no copy without a cast
+        order = [self.sums.get(p) for p in params]
+        if all(map(is_not, order, _NONES)):
+            self._order, self._order_sums = params, order  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -305,3 +387,6 @@ class WindowBuffer:
         self.unfolded = int(window.get("unfolded", 0))
         found = window["found_inf"]
         self.found_inf = None if found is None else found.clone()
+        self._forget_order()
+        if not window["closed"]:  # the window has a finished micro-step
+            self._start_folding(self.buffered_params(params))

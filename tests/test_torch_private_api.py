@@ -195,6 +195,22 @@ def sparse_values(_: Any) -> None:
     assert s._values().tolist() == [3.0]
 
 
+def foreach_norm(f: Any) -> None:
+    norms = f([torch.tensor([3.0, 4.0]), torch.tensor([1.0])])
+    assert [n.item() for n in norms] == [5.0, 1.0]
+
+
+def scheduler_handshake(_: Any) -> None:
+    """An LRScheduler's first step() after construction reads ``optimizer._opt_called`` from a
+    frame named ``step`` whose ``self`` is the scheduler: how the wrapper learns it."""
+    from accumopt import Accumulate
+
+    acc = Accumulate(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), every=2)
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1)
+    sched.step()
+    assert [ref() for ref, _ in acc._guard.schedulers] == [sched]
+
+
 def batchnorm_base(cls: Any) -> None:
     assert isinstance(torch.nn.BatchNorm1d(2), cls) and isinstance(torch.nn.SyncBatchNorm(2), cls)
 
@@ -218,7 +234,7 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         "distributed.py (ranks agree on inf/NaN)",
         per_optimizer_states,
     ),
-    ("torch.utils._pytree.TreeSpec~children", "_tree.py (fast rebuild)", treespec_children),
+    ("torch.utils._pytree.TreeSpec~children", "_plain.py (fast rebuild)", treespec_children),
     ("torch.optim.optimizer._global_optimizer_pre_hooks", "accumulate.py", mapping),
     ("torch.optim.optimizer._global_optimizer_post_hooks", "accumulate.py", mapping),
     ("torch.optim.Optimizer.profile_hook_step", "accumulate.py", profile_hook_step),
@@ -268,6 +284,17 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
     ("torch._foreach_add_", "_window_buffer.py", foreach_add_),
     ("torch._amp_foreach_non_finite_check_and_unscale_", "_grads.py", amp_unscale_),
     ("torch.nn.modules.batchnorm._BatchNorm", "batchnorm.py", batchnorm_base),
+    (
+        "torch.Tensor~_post_accumulate_grad_hooks",
+        "_fold_hooks.py (each parameter hooked once)",
+        tensor_attribute("_post_accumulate_grad_hooks"),
+    ),
+    ("torch._foreach_norm", "_squares.py (noise scale)", foreach_norm),
+    (
+        "torch.optim.lr_scheduler.LRScheduler.step~_opt_called",
+        "_guards.py (the schedulers stepping the wrapper)",
+        scheduler_handshake,
+    ),
 ]
 
 
