@@ -6,14 +6,14 @@
    tables (overhead, counting, import, runner) and ``overhead.png`` are generated from that
    JSON; a benchmark that missed its target does not stop the rest.
 2. The scripts that do not time contenders against each other, each in its own process:
-   ``memory.py``, ``autosize.py``, ``precision.py`` and ``communication.py``; they draw
-   ``memory.png``, ``autosize.png`` and ``precision.png``.
+   ``memory.py``, ``autosize.py``, ``precision.py``, ``communication.py`` and
+   ``memory_bf16.py``; they draw ``memory.png``, ``autosize.png`` and ``precision.png``.
 3. RESULTS.md: the blocks between ``<!-- begin generated: NAME -->`` and
    ``<!-- end generated: NAME -->`` (NAME = setup, overhead, counting, import, runner_overhead,
-   memory, autosize, precision, communication) are replaced; everything outside them (the
-   exactness table, the prose) is left as it is.
+   memory, autosize, precision, communication, noise, memory_bf16) are replaced; everything
+   outside them (the exactness table, the prose) is left as it is.
 
-Run: ``python bench/run_all.py [--quick] [--from-json PATH]`` (full: about 8 minutes on 2 cores;
+Run: ``python bench/run_all.py [--quick] [--from-json PATH]`` (full: about 9 minutes on 2 cores;
 quick: about 3).
 """
 
@@ -236,6 +236,13 @@ def counting_block(data: dict[str, Any]) -> str:
             grid(mine, "model \\ k", models, "model", ks, "k", cell),
         ]
     return "\n\n".join([*parts, verdicts(results), load_line(results)])
+
+
+def noise_block(data: dict[str, Any]) -> str:
+    results = benchmarks(data, "noise scale")
+    if not results:
+        return missing("noise scale")
+    return "\n\n".join([models_line(results), verdicts(results), load_line(results)])
 
 
 def import_block(data: dict[str, Any]) -> str:
@@ -483,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         precision, precision_s = run_script("precision.py", precision_args, Path(tmp, "p.json"))
         comm_args = ["--windows", "5"] if args.quick else []
         comm, comm_s = run_script("communication.py", comm_args, Path(tmp, "c.json"))
+        bf16, bf16_s = run_script("memory_bf16.py", memory_args, Path(tmp, "b.json"))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     if available("matplotlib"):
@@ -502,10 +510,13 @@ def main(argv: list[str] | None = None) -> None:
     text = replace_block(text, "autosize", f"{autosize['markdown']}\n\n![](autosize.png)")
     text = replace_block(text, "precision", f"{precision['markdown']}\n\n![](precision.png)")
     text = replace_block(text, "communication", comm["markdown"])
+    text = replace_block(text, "noise", noise_block(timing))
+    text = replace_block(text, "memory_bf16", bf16["markdown"])
     results.write_text(text)
     print(
         f"memory.py {memory_s:.0f} s, autosize.py {autosize_s:.0f} s, precision.py "
-        f"{precision_s:.0f} s, communication.py {comm_s:.0f} s, total {wall:.0f} s; wrote "
+        f"{precision_s:.0f} s, communication.py {comm_s:.0f} s, memory_bf16.py {bf16_s:.0f} s, "
+        f"total {wall:.0f} s; wrote "
         f"{results}, overhead.png, memory.png, autosize.png, precision.png"
     )
 
