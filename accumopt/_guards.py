@@ -21,6 +21,7 @@ import sys
 import weakref
 from itertools import compress, repeat
 from operator import attrgetter, is_not, sub
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -257,9 +258,12 @@ def _handshake_get(opt: AccumulatingOptimizer) -> bool:
     owner = frame.f_locals.get("self") if frame.f_code.co_name == "step" else None
     if guard is not None and getattr(owner, "optimizer", None) is opt:
         epoch = getattr(owner, "last_epoch", None)
-        known = any(ref() is owner for ref, _ in guard.schedulers)
-        if isinstance(epoch, int) and not known:  # noted now if a window is open (not stepped)
-            guard.schedulers.append((weakref.ref(owner), epoch if guard.lrs is not None else None))
+        known = [i for i, (ref, _) in enumerate(guard.schedulers) if ref() is owner]
+        mark = epoch if isinstance(epoch, int) and guard.lrs is not None else None
+        if not known:  # noted now if a window is open (this step() has not counted yet)
+            guard.schedulers.append((weakref.ref(owner), mark))
+        elif guard.schedulers[known[0]][1] is None:
+            guard.schedulers[known[0]] = (guard.schedulers[known[0]][0], mark)
     return bool(guard is not None and guard.step_called)
 
 
@@ -271,6 +275,57 @@ def _handshake_set(opt: AccumulatingOptimizer, value: bool) -> None:
 
 
 scheduler_handshake = property(_handshake_get, _handshake_set)
+
+
+def _register(guard: WindowGuard, scheduler: object) -> None:
+    """Watch ``scheduler`` (weakly) from the next window's first micro-step on."""
+    if not any(ref() is scheduler for ref, _ in guard.schedulers):
+        guard.schedulers.append((weakref.ref(scheduler), None))
+
+
+class StepSlot:
+    """The wrapper's ``step``: a method that records who replaces it.
+
+    torch's ``LRScheduler`` constructor replaces ``optimizer.step`` on the instance with a
+    wrapper of its own (``opt.step = wrap(opt.step)``, once per optimizer): assigning over
+    ``step`` is recorded with the scheduler doing it (found on torch's own frames), so that a
+    scheduler whose state is loaded afterwards (``_step_count > 1``: torch's first-step
+    handshake, :func:`_handshake_get`, never runs for it) is watched too. Reading ``step``
+    gives what was assigned, or the bound method.
+    """
+
+    hooked = True  # torch's Optimizer._patch_step_function leaves the method unwrapped
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self.__doc__, self.__name__ = function.__doc__, function.__name__
+        self.__qualname__, self.__wrapped__ = function.__qualname__, function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # Accumulate.step(opt, ...)
+        return self.function(*args, **kwargs)
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        replaced = obj.__dict__.get("_step_replaced")
+        return replaced if replaced is not None else MethodType(self.function, obj)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__["_step_replaced"] = value
+        guard = obj.__dict__.get("_guard")
+        frame = sys._getframe(1)
+        for _ in range(4):  # torch's frames only (reading f_locals keeps a frame's objects)
+            if guard is None or frame is None:
+                return
+            if frame.f_globals.get("__name__", "").startswith("torch.optim"):
+                owner = frame.f_locals.get("self")
+                if getattr(owner, "optimizer", None) is obj and hasattr(owner, "last_epoch"):
+                    _register(guard, owner)
+                    return
+            frame = frame.f_back  # type: ignore[assignment]
+
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop("_step_replaced", None)
 
 
 def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:

@@ -188,8 +188,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         window.stepped, self.did_update = True, False  # a plain micro-step inside the window
         return loss
 
-    # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above)
-    step.hooked = True  # type: ignore[attr-defined]
+    # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above);
+    # an LR scheduler replacing step on the instance is recorded (_guards.StepSlot)
+    step = _guards.StepSlot(step)
 
     def _step(self) -> None:
         amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()

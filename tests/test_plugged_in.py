@@ -7,6 +7,7 @@ hand-written accumulation loop, and what frameworks do to an optimizer they are 
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -320,6 +321,48 @@ def test_own_loop_scheduler_stepped_several_times_between_windows_is_allowed() -
     sched.step()
     full_batch_step(ref, ref_opt, x, y)
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_own_loop_resumed_scheduler_stepped_every_micro_step_is_refused(gated: bool) -> None:
+    """A scheduler whose state is loaded after construction (a resumed run: _step_count > 1)
+    never runs torch's first-step handshake; it is seen when its constructor replaces the
+    wrapper's step (found by review: lr 0.00625 instead of 0.05 after 4 updates, no error)."""
+    ref, model = twins(mlp(86))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=4)
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=4, gamma=0.5)
+    donor_opt = torch.optim.SGD(mlp(0).parameters(), lr=0.5)
+    donor = torch.optim.lr_scheduler.StepLR(donor_opt, step_size=4, gamma=0.5)
+    for _ in range(3):
+        donor_opt.step()
+        donor.step()
+    saved = {**donor.state_dict(), "last_epoch": 0, "_last_lr": [0.5]}
+    sched.load_state_dict(saved)  # _step_count 4: no handshake at its next step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
+    for w in range(5):
+        x, y = data(86 + w, 16)
+        for xb, yb in zip(x.split(4), y.split(4)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            if gated:
+                acc.step()
+                if acc.did_update:
+                    sched.step()
+            elif w == 0 and acc.micro_step == 4:
+                with pytest.raises(RuntimeError, match="StepLR was stepped inside"):
+                    acc.step()
+                assert acc.updates == 0
+                return
+            else:
+                acc.step()
+                sched.step()  # the mistake: every micro-step
+            acc.zero_grad()
+        full_batch_step(ref, ref_opt, x, y)
+        ref_sched.step()
+    assert acc.updates == 5 and sched.get_last_lr() == ref_sched.get_last_lr()
+    assert_same_params(model, ref)
+    clone = copy.deepcopy(acc)  # a copy leaves the scheduler's replaced step behind
+    assert "_step_replaced" not in clone.__dict__ and clone.step.__self__ is clone
 
 
 def test_own_loop_scheduler_stepped_on_real_updates_is_exact() -> None:
