@@ -27,20 +27,15 @@ Run: ``python bench/memory.py [--children 3] [--threads 1] [--json PATH]``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
 from typing import Any
 
-from _common import add_json_option, available, markdown_table, write_json
+import _children
+from _children import BARE
+from _common import available, markdown_table
 
 EFFECTIVE = 4096
 MICRO = 32
 LR = 0.1
-BARE = "bare interpreter"
 NO_STEP = "torch + data + model, no step"
 REFERENCE = "plain batch 32"
 CONFIGS = [
@@ -52,8 +47,6 @@ CONFIGS = [
     "hand loop, 128 x 32",
     "mbp-pytorch, 128 x 32",
 ]
-#: a parent larger than this would inflate its children's ru_maxrss (see the module docstring)
-MAX_BARE_MIB = 64.0
 
 
 def child(config: str, threads: int) -> dict[str, float]:
@@ -118,32 +111,6 @@ def child(config: str, threads: int) -> dict[str, float]:
     return {"grad_norm": float(step.double().norm()) / LR}
 
 
-def run_child(config: str, threads: int) -> dict[str, float]:
-    """Run ``config`` in a fresh interpreter; its result plus its own peak RSS in MiB."""
-    if config == BARE:
-        command = [sys.executable, "-c", "pass"]
-    else:
-        command = [sys.executable, __file__, "--child", config, "--threads", str(threads)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # usage of exactly this child
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {config!r} failed with exit code {proc.returncode}")
-    result = json.loads(out.strip().splitlines()[-1]) if config != BARE else {}
-    return {**result, "peak_mib": usage.ru_maxrss / 1024}  # Linux reports KiB
-
-
-def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Median, min and max peak RSS over a configuration's children, and its gradient norm."""
-    peaks = sorted(run["peak_mib"] for run in runs)
-    out = {"peak_mib": statistics.median(peaks), "min_mib": peaks[0], "max_mib": peaks[-1]}
-    if "grad_norm" in runs[0]:
-        out["grad_norm"] = runs[0]["grad_norm"]
-    return out
-
-
 def table(results: dict[str, dict[str, float]]) -> str:
     """Markdown: median peak RSS and range, the ratio to the batch-32 child, the gradient norm."""
     ref = results[REFERENCE]["peak_mib"]
@@ -171,41 +138,9 @@ def table(results: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every configuration in fresh children, print the table, return the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--children", type=int, default=3, help="fresh children per configuration")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
-    add_json_option(parser)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.child, args.threads)))
-        return {}
     configs = [c for c in CONFIGS if not c.startswith("mbp") or available("mbp")]
-    print(
-        f"peak RSS of fresh child processes, median of {args.children} per configuration, "
-        f"{args.threads} torch thread(s)"
-    )
-    runs: dict[str, list[dict[str, float]]] = {config: [] for config in configs}
-    for _ in range(args.children):  # round-robin, so that slow drifts hit every configuration
-        for config in configs:
-            runs[config].append(run_child(config, args.threads))
-    results = {config: summarize(config_runs) for config, config_runs in runs.items()}
-    if results[BARE]["max_mib"] > MAX_BARE_MIB:
-        raise RuntimeError(
-            f"a bare interpreter child peaked at {results[BARE]['max_mib']:.0f} MiB: this "
-            "process is too large to launch children whose ru_maxrss means their own peak"
-        )
-    markdown = table(results)
-    print(markdown)
-    config = {
-        "effective": EFFECTIVE,
-        "micro": MICRO,
-        "threads": args.threads,
-        "children": args.children,
-    }
-    data = {"config": config, "results": results, "markdown": markdown}
-    write_json(args.json, data)
-    return data
+    config = {"effective": EFFECTIVE, "micro": MICRO}
+    return _children.main(argv, __file__, configs, child, table, config)
 
 
 if __name__ == "__main__":

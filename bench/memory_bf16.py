@@ -31,20 +31,15 @@ imports no torch (see ``memory.py`` on why). Run: ``python bench/memory_bf16.py 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
-from _common import add_json_option, markdown_table, write_json
-from memory import MAX_BARE_MIB, summarize
+import _children
+from _children import BARE
+from _common import markdown_table
 
 LAYERS, WIDTH = 16, 3072
 MICRO_STEPS, ROWS = 4, 16
 PARAM_MIB = LAYERS * (WIDTH * WIDTH + WIDTH) * 2 / 2**20  # bf16: 2 bytes per element
-BARE = "bare interpreter"
 FLOOR = "model + data, no backward"
 CONFIGS = [
     BARE,
@@ -98,23 +93,6 @@ def child(config: str, threads: int) -> dict[str, float]:
     return {"grad_norm": seen[0]}
 
 
-def run_child(config: str, threads: int) -> dict[str, float]:
-    """Run ``config`` in a fresh interpreter; its result plus its own peak RSS in MiB."""
-    if config == BARE:
-        command = [sys.executable, "-c", "pass"]
-    else:
-        command = [sys.executable, __file__, "--child", config, "--threads", str(threads)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # usage of exactly this child
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {config!r} failed with exit code {proc.returncode}")
-    result = json.loads(out.strip().splitlines()[-1]) if config != BARE else {}
-    return {**result, "peak_mib": usage.ru_maxrss / 1024}  # Linux reports KiB
-
-
 def table(results: dict[str, dict[str, float]]) -> str:
     """Markdown: median peak RSS and range, MiB over the floor, that as a multiple of the
     bf16 parameter bytes, gradients and buffer alone (see the module docstring), and the
@@ -150,43 +128,15 @@ def table(results: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure every configuration in fresh children, print the table, return the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--children", type=int, default=3, help="fresh children per configuration")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
-    add_json_option(parser)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.child, args.threads)))
-        return {}
-    print(
-        f"peak RSS of fresh child processes, median of {args.children} per configuration, "
-        f"{args.threads} torch thread(s); bf16 parameters: {PARAM_MIB:.0f} MiB"
-    )
-    runs: dict[str, list[dict[str, float]]] = {config: [] for config in CONFIGS}
-    for _ in range(args.children):  # round-robin, so that slow drifts hit every configuration
-        for config in CONFIGS:
-            runs[config].append(run_child(config, args.threads))
-    results = {config: summarize(config_runs) for config, config_runs in runs.items()}
-    if results[BARE]["max_mib"] > MAX_BARE_MIB:
-        raise RuntimeError(
-            f"a bare interpreter child peaked at {results[BARE]['max_mib']:.0f} MiB: this "
-            "process is too large to launch children whose ru_maxrss means their own peak"
-        )
-    markdown = table(results)
-    print(markdown)
     config = {
         "layers": LAYERS,
         "width": WIDTH,
         "micro_steps": MICRO_STEPS,
         "rows": ROWS,
         "param_mib": PARAM_MIB,
-        "threads": args.threads,
-        "children": args.children,
     }
-    data = {"config": config, "results": results, "markdown": markdown}
-    write_json(args.json, data)
-    return data
+    about = f"; bf16 parameters: {PARAM_MIB:.0f} MiB"
+    return _children.main(argv, __file__, CONFIGS, child, table, config, about)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +36,25 @@ def reference(ref: nn.Module, seed: int, n: int = 2, lr: float = 0.1) -> None:
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     for w in range(n):
         full_batch_step(ref, opt, *data(seed + w, sum(SIZES)))
+
+
+def gated_windows(
+    acc: Accumulate, sched: Any, model: nn.Module, reference: tuple[Any, Any, Any], seed: int
+) -> None:
+    """Three windows of ``SIZES`` rows with ``sched`` stepped on real updates only, and the same
+    windows as full-batch steps of ``reference`` (model, optimizer, scheduler stepped after
+    each)."""
+    ref, ref_opt, ref_sched = reference
+    for w in range(3):
+        x, y = data(seed + w, 8)
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            if acc.did_update:
+                sched.step()
+            acc.zero_grad()
+        full_batch_step(ref, ref_opt, x, y)
+        ref_sched.step()
 
 
 # ---------------------------------------------------------------- the torch.optim contract
@@ -245,16 +265,7 @@ def test_own_loop_scheduler_stepped_every_micro_step_is_refused_at_the_boundary(
     ref = mlp(81)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
-    for w in range(3):
-        x, y = data(82 + w, 8)
-        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-            acc.backward(mse_sum(model, xb, yb), items=len(xb))
-            acc.step()
-            if acc.did_update:
-                sched.step()
-            acc.zero_grad()
-        full_batch_step(ref, ref_opt, x, y)
-        ref_sched.step()
+    gated_windows(acc, sched, model, (ref, ref_opt, ref_sched), seed=82)
     assert acc.updates == 3
     assert_same_params(model, ref)
 
@@ -371,16 +382,7 @@ def test_own_loop_scheduler_stepped_on_real_updates_is_exact() -> None:
     sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1, gamma=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
-    for w in range(3):
-        x, y = data(82 + w, 8)
-        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-            acc.backward(mse_sum(model, xb, yb), items=len(xb))
-            acc.step()
-            if acc.did_update:
-                sched.step()
-            acc.zero_grad()
-        full_batch_step(ref, ref_opt, x, y)
-        ref_sched.step()
+    gated_windows(acc, sched, model, (ref, ref_opt, ref_sched), seed=82)
     assert_same_params(model, ref)
 
 
