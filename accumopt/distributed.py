@@ -1,8 +1,5 @@
 """Every cross-rank decision and collective of accumopt: DDP and FSDP2.
 
-This is the only module of accumopt that uses ``torch.distributed`` (the ``testing`` helpers
-that start gloo ranks aside).
-
 DDP: micro-steps inside a window run without gradient sync (``require_backward_grad_sync``,
 what ``no_sync()`` sets); the closing one syncs, overlapped with its backward: one all-reduce
 per update. A window in items, or finished micro-steps in the window buffer (not in ``.grad``,
@@ -27,8 +24,7 @@ at :meth:`GradSync.release` (``flush()``, ``discard()``) and when the wrapper is
 (``weakref.finalize``, no reference cycle); the next window's first micro-step is then synced
 by DDP/FSDP2 itself (one extra sync per release, exact: sums commute).
 
-``torch.distributed.fsdp`` is imported only when a model could be an FSDP2 module (that is,
-when the user's program imported it already): importing accumopt stays cheap.
+``torch.distributed.fsdp`` is imported only once the user's program imported it: cheap import.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from accumopt import _grads, _refusals
+from accumopt import _fsdp_pending, _grads, _refusals
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
 
@@ -265,9 +261,13 @@ class GradSync:
 
     def release(self, window: Window, flushing: bool = False) -> None:
         """``flush()``/``discard()``: the module's own sync setting until the next micro-step
-        (a ``flush()`` of an empty window checks that every rank's is empty)."""
+        (``flush()`` of an empty window: every rank's is empty; FSDP2: see _fsdp_pending)."""
         if flushing and window.micro_step == 0:
             self._agree(_FLUSH, 0, check_only=True)
+        elif self.fsdp and flushing and not (window.closed or self.reduce_every_micro_step):
+            raise RuntimeError(_fsdp_pending.FLUSH_UNSUPPORTED.format(steps=window.micro_step))
+        elif self.fsdp and not flushing:
+            _fsdp_pending.drop_pending(self.module)
         self._released, self._closing_planned = True, False
         self.set_sync(self._own)
 

@@ -211,6 +211,19 @@ def scheduler_handshake(_: Any) -> None:
     assert [ref() for ref, _ in acc._guard.schedulers] == [sched]
 
 
+def fsdp_state_groups(get_state: Any) -> None:
+    """``FSDPModule._get_fsdp_state`` and the per-group ``fsdp_params`` of its state, whose
+    held-back gradients ``_fsdp_pending.drop_pending`` drops (a 2-rank run exercises it in
+    ``test_fsdp.py``; here the names)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert callable(get_state)
+    state = FSDPState()
+    assert hasattr(state, "_fsdp_param_groups") or hasattr(state, "_fsdp_param_group")
+    assert "unsharded_accumulated_grad" in FSDPParam.__annotations__
+
+
 def batchnorm_base(cls: Any) -> None:
     assert isinstance(torch.nn.BatchNorm1d(2), cls) and isinstance(torch.nn.SyncBatchNorm(2), cls)
 
@@ -290,6 +303,11 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         tensor_attribute("_post_accumulate_grad_hooks"),
     ),
     ("torch._foreach_norm", "_squares.py (noise scale)", foreach_norm),
+    (
+        "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
+        "_fsdp_pending.py (a discarded FSDP2 window)",
+        fsdp_state_groups,
+    ),
     (
         "torch.optim.lr_scheduler.LRScheduler.step~_opt_called",
         "_guards.py (the schedulers stepping the wrapper)",
