@@ -255,7 +255,8 @@ def _handshake_get(opt: AccumulatingOptimizer) -> bool:
     not looked at."""
     guard = opt.__dict__.get("_guard")
     frame = sys._getframe(1)
-    owner = frame.f_locals.get("self") if frame.f_code.co_name == "step" else None
+    torch_step = frame.f_code.co_name == "step" and _torch_optim(frame)
+    owner = frame.f_locals.get("self") if torch_step else None  # torch's frame only
     if guard is not None and getattr(owner, "optimizer", None) is opt:
         epoch = getattr(owner, "last_epoch", None)
         known = [i for i, (ref, _) in enumerate(guard.schedulers) if ref() is owner]
@@ -275,6 +276,12 @@ def _handshake_set(opt: AccumulatingOptimizer, value: bool) -> None:
 
 
 scheduler_handshake = property(_handshake_get, _handshake_set)
+
+
+def _torch_optim(frame: Any) -> bool:
+    """Whether ``frame`` runs torch.optim's code (whose ``f_locals`` may be read: reading a
+    user frame's would keep its objects alive before Python 3.13)."""
+    return bool(frame.f_globals.get("__name__", "").startswith("torch.optim"))
 
 
 def _register(guard: WindowGuard, scheduler: object) -> None:
@@ -317,7 +324,7 @@ class StepSlot:
         for _ in range(4):  # torch's frames only (reading f_locals keeps a frame's objects)
             if guard is None or frame is None:
                 return
-            if frame.f_globals.get("__name__", "").startswith("torch.optim"):
+            if _torch_optim(frame):
                 owner = frame.f_locals.get("self")
                 if getattr(owner, "optimizer", None) is obj and hasattr(owner, "last_epoch"):
                     _register(guard, owner)
