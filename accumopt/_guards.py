@@ -320,16 +320,16 @@ class StepSlot:
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__["_step_replaced"] = value
         guard = obj.__dict__.get("_guard")
-        frame = sys._getframe(1)
+        frame = sys._getframe(1) if guard is not None else None
         for _ in range(4):  # torch's frames only (reading f_locals keeps a frame's objects)
-            if guard is None or frame is None:
+            if frame is None:
                 return
             if _torch_optim(frame):
                 owner = frame.f_locals.get("self")
                 if getattr(owner, "optimizer", None) is obj and hasattr(owner, "last_epoch"):
                     _register(guard, owner)
                     return
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
 
     def __delete__(self, obj: Any) -> None:
         obj.__dict__.pop("_step_replaced", None)

@@ -22,21 +22,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_ddp import EVERY, WINDOWS, WORLD, layout, make_opt, model_and_data, reference
 
 
-def worker(rank: int, mode: str) -> list[list[float]]:
-    """One rank: train the FSDP2-sharded model; the gathered full parameters."""
+def shard(model: nn.Module) -> None:
+    """``fully_shard`` every Linear layer and the root over the ranks, on an explicit CPU mesh
+    (without it, FSDP2 on a machine with a GPU moves the shards there)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from accumopt import Accumulate
-
-    base, x, y = model_and_data()
-    model = copy.deepcopy(base)
-    # an explicit CPU mesh: without it, FSDP2 on a machine with a GPU moves the shards there
     mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def worker(rank: int, mode: str) -> list[list[float]]:
+    """One rank: train the FSDP2-sharded model; the gathered full parameters."""
+    from accumopt import Accumulate
+
+    base, x, y = model_and_data()
+    model = copy.deepcopy(base)
+    shard(model)
     kwargs: dict[str, Any] = {"every": EVERY}
     if mode == "items":
         rows = sum(b - a for r in layout("uneven")[0] for a, b in r)
@@ -68,18 +73,11 @@ def test_fsdp2_accumulate_equals_single_process_full_batch(mode: str) -> None:
 def drop_worker(rank: int, mode: str) -> list[list[float]]:
     """One rank: 2 micro-steps of junk, then flush() (refused: a partial FSDP2 window) or
     straight to discard(); then a full window. The gathered full parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from accumopt import Accumulate
 
     base, x, y = model_and_data()
     model = copy.deepcopy(base)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model)
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=EVERY, model=model)
     g = torch.Generator().manual_seed(rank)
     rows = [(torch.randn(3, x.shape[1], generator=g, dtype=x.dtype), rows) for rows in (3, 3)]
@@ -119,18 +117,11 @@ def test_fsdp2_discard_drops_held_back_gradients_and_a_partial_flush_is_refused(
 def flush_worker(rank: int, _: Any) -> float:
     """One rank: 2 micro-steps reduce-scattered each (reduce_every_micro_step=True), then
     flush(): the largest parameter difference to one full-batch step on both ranks' rows."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from accumopt import Accumulate
 
     base, x, y = model_and_data()
     model, reference = copy.deepcopy(base), copy.deepcopy(base)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = Accumulate(sgd, every=EVERY, model=model, reduce_every_micro_step=True)
     spans = [(0, 3), (3, 5), (5, 9), (9, 10)]  # rank r trains spans 2r and 2r + 1
