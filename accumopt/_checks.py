@@ -229,6 +229,8 @@ def check_count_tensor(count: torch.Tensor, what: str) -> None:
 
 def check_count(count: object, what: str, covers: str, where: str = "") -> float:
     """A finite number >= 0 (an item count), else ValueError naming ``what`` (and ``where``)."""
+    if type(count) is int and count >= 0:  # the usual count: no abstract-class check
+        return float(count)
     if (
         isinstance(count, bool)
         or not isinstance(count, numbers.Real)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import torch
 from torch import Tensor
@@ -26,7 +27,7 @@ _GRAD = attrgetter("grad")
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     """The ``.grad`` tensors that exist, in parameter order."""
-    return [g for g in map(_GRAD, params) if g is not None]
+    return present(list(map(_GRAD, params)))
 
 
 def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -36,7 +37,8 @@ def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
 
 
 _TENSOR_DIVISOR = (torch.float32, torch.float64)
-_KIND = attrgetter("dtype", "is_cpu", "is_sparse")  # one C-level pass over the gradients
+_DTYPE = attrgetter("dtype")
+_IS_CPU = attrgetter("is_cpu")
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,24 +47,39 @@ def _cpu_scalar(value: float, dtype: torch.dtype) -> Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
-@torch.no_grad()
+def present(grads: list[Tensor | None]) -> list[Tensor]:
+    """``grads`` without its None entries (the list itself when it has none)."""
+    if all(map(is_not, grads, repeat(None))):
+        return grads  # type: ignore[return-value]
+    return [g for g in grads if g is not None]
+
+
 def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
     """Divide every gradient in place by ``divisor`` (a Python number or a 0-dim tensor).
 
     On the CPU a Python number is turned into one 0-dim tensor per dtype group of float32 or
     float64 gradients: torch's CPU foreach kernels take that overload 2-4x faster than a
     number, with bit-identical results (the number is rounded to the gradients' dtype either
-    way). Other dtypes divide by the number itself (a bf16/fp16 gradient is not divided by a
-    divisor rounded to bf16/fp16), and so do accelerators (a new device tensor would cost a
-    host-to-device copy; their foreach kernels are fused anyway). The usual case (dense CPU
-    gradients of one such dtype) is recognised in one pass over the gradients and divided in
-    one call.
+    way; the CPU kernels run tensor by tensor, sparse ones too). Other dtypes divide by the
+    number itself (a bf16/fp16 gradient is not divided by a divisor rounded to bf16/fp16), and
+    so do accelerators (a new device tensor would cost a host-to-device copy; their foreach
+    kernels are fused anyway). The usual case (CPU gradients of one such dtype) is recognised
+    in two C-level passes over the gradients and divided in one call. Gradients with a history
+    (``create_graph=True``) are divided without recording one.
     """
+    if torch.is_grad_enabled():  # outside the autograd engine's final callback
+        with torch.no_grad():
+            _div(grads, divisor)
+    else:
+        _div(grads, divisor)
+
+
+def _div(grads: list[Tensor], divisor: float | Tensor) -> None:
     if not isinstance(divisor, Tensor):
-        kinds = set(map(_KIND, grads))
-        if len(kinds) == 1:
-            dtype, cpu, sparse = next(iter(kinds))
-            if cpu and not sparse and dtype in _TENSOR_DIVISOR:
+        dtypes = set(map(_DTYPE, grads))
+        if len(dtypes) == 1 and all(map(_IS_CPU, grads)):
+            dtype = dtypes.pop()
+            if dtype in _TENSOR_DIVISOR:
                 torch._foreach_div_(grads, _cpu_scalar(float(divisor), dtype))
                 return
     dense, sparse = _split_sparse(grads)

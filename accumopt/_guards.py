@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from accumopt._grads import params_of
-
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
 
@@ -129,26 +127,26 @@ class WindowGuard:
         # C-level maps, once per window: every gradient's identity, the version counters of
         # an evenly spaced sample of at most _SAMPLE (zeroing in place hits every parameter)
         grads = list(map(_GRAD, in_grad))
-        held = list(map(is_not, grads, repeat(None)))
-        if all(held):  # the usual case: every parameter was reached by the first micro-step
+        if all(map(is_not, grads, repeat(None))):  # the usual case: every parameter reached
             self.params, self.grads = in_grad, grads
         else:
+            held = list(map(is_not, grads, repeat(None)))
             self.params = list(compress(in_grad, held))
             self.grads = list(compress(grads, held))
         self.stride = max(1, len(self.grads) // _SAMPLE)
         self.versions = list(map(_VERSION, self.grads[:: self.stride]))
 
-    def wiped(self, micro_step: int, extra_writes: int) -> str | None:
+    def wiped(self, micro_step: int, extra_writes: int, now: list[Tensor | None]) -> str | None:
         """Why the window's gradients cannot be trusted at its close, or None.
 
         Args:
             micro_step: the window's micro-steps now.
             extra_writes: in-place writes into ``.grad`` that are not accumulation (1 where
                 DDP's reducer copies the closing pass's all-reduced buckets back).
+            now: the ``.grad`` of :attr:`params` now.
         """
         if not self.params:
             return None
-        now = list(map(_GRAD, self.params))
         passes = micro_step - self.micro_step + extra_writes  # accumulations since the note
         if not any(map(is_not, now, self.grads)):
             grown = map(sub, map(_VERSION, now[:: self.stride]), self.versions)
@@ -213,7 +211,7 @@ def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
         return None
     if buffer.loss_scale() is not None:
         return None
-    params = params_of(opt.param_groups)
+    params = opt._window_params()
     buffered = {id(p) for p in buffer.buffered_params(params)}
     return [p for p in params if id(p) not in buffered] if buffered else params
 
@@ -223,16 +221,20 @@ def note(opt: AccumulatingOptimizer) -> None:
     opt._guard.note(opt.param_groups, _in_grad(opt), opt._window.micro_step)
 
 
-def check_close(opt: AccumulatingOptimizer) -> None:
+def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor | None] | None:
     """Before the window's gradient is formed: refuse a window whose ``.grad`` was wiped, and
-    pause counting until ``discard()`` (the window's sum is lost)."""
-    if not opt._guard.params:  # nothing noted (a window of one micro-step): nothing to check
-        return
+    pause counting until ``discard()`` (the window's sum is lost). Returns the ``.grad`` of
+    ``params`` as read for the check (aligned with them), or None where it read none."""
+    guard = opt._guard
+    if not guard.params:  # nothing noted (a window of one micro-step): nothing to check
+        return None
+    now = list(map(_GRAD, guard.params))
     micro_step = opt._window.micro_step
-    problem = opt._guard.wiped(micro_step, opt._sync.grad_writes(micro_step))
+    problem = guard.wiped(micro_step, opt._sync.grad_writes(micro_step), now)
     if problem is not None:
         opt._counter.pause("wiped")
         raise RuntimeError(problem)
+    return now if guard.params is params else None
 
 
 def check_lr(opt: AccumulatingOptimizer) -> None:

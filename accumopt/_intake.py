@@ -18,7 +18,6 @@ from torch import Tensor
 
 from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
-from accumopt._grads import params_of
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.distributed import GradSync, LocalSync
@@ -48,6 +47,7 @@ class MicroStepIntake:
     _awaiting_end: bool
     _consistent: bool
     _close_window: Callable[[list[Tensor]], None]
+    _window_params: Callable[[], list[Tensor]]
     _plan_sync: Callable[[], None]
 
     def backward(self, loss: Tensor, items: float | Tensor | None = None, **kwargs: Any) -> None:
@@ -152,8 +152,9 @@ class MicroStepIntake:
         return result
 
     def _count(self, items: float | None) -> None:
-        groups = self.param_groups
-        if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(groups):
+        if self.nonfinite in _PER_MICRO_BATCH and self._buffer.in_flight_nonfinite(
+            self._window_params()
+        ):
             if self.nonfinite == "raise":
                 self._drop()
                 raise FloatingPointError(_refusals.nonfinite_message(self._window.micro_step + 1))
@@ -163,9 +164,9 @@ class MicroStepIntake:
             self._drop_at_step = self._buffer.loss_scale() is not None
             return None if self._drop_at_step else self._drop()
         if self._window.count(self._sync.counted(items, self._window)):
-            self._close_window(params_of(groups))
+            self._close_window(self._window_params())
         else:
-            self._buffer.micro_step_done(groups)
+            self._buffer.micro_step_done(self._window_params())
             self._plan_sync()
             if self._window.micro_step == 1:
                 _guards.note(self)  # type: ignore[arg-type]  # the mixin's owner
@@ -182,7 +183,7 @@ class MicroStepIntake:
     def _drop(self) -> None:
         if self._window.closed or not self._buffer.separable(self._window.micro_step):
             raise RuntimeError(_refusals.inseparable_message(self._window.closed))
-        for p in params_of(self.param_groups):
+        for p in self._window_params():
             p.grad = None
         _LOG.debug("Accumulate: the micro-step in flight was dropped")
         self._pending_items = None
@@ -203,7 +204,7 @@ class MicroStepIntake:
         self._transaction(self._route_all)
 
     def _route_all(self) -> None:
-        params = params_of(self.param_groups)
+        params = self._window_params()
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)
         self._guard.forget()  # the window moved out of .grad on purpose
         self._plan_sync()

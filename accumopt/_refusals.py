@@ -82,6 +82,11 @@ SET_MODEL_IN_WINDOW = (
     "pass, or when opt.micro_step == 0). Call it after the next update, or opt.flush() first."
 )
 
+SPARSE_ACROSS_RANKS = (
+    "Accumulate: sparse gradients cannot be summed across ranks by accumopt; expected dense "
+    "gradients under DistributedDataParallel."
+)
+
 NO_ITEMS = (
     "Accumulate.next_items: items=None; expected the number of items (samples, tokens) the "
     "next backward pass covers, a number >= 0 or a one-element tensor."

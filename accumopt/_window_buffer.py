@@ -37,8 +37,9 @@ from torch import Tensor
 from accumopt import _grads
 from accumopt._fold_hooks import FoldHooks, fold_one, single_process
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOW_PRECISION = frozenset((torch.bfloat16, torch.float16))
 _GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
 _NONES = repeat(None)
 
 
@@ -122,6 +123,8 @@ class WindowBuffer:
                 buffered = []
             elif self.buffer_all:
                 buffered = params
+            elif _LOW_PRECISION.isdisjoint(map(_DTYPE, params)):  # one C-level pass
+                buffered = []
             else:
                 buffered = [p for p in params if p.dtype in _LOW_PRECISION]
             self._buffered = buffered
@@ -138,15 +141,16 @@ class WindowBuffer:
 
     # ------------------------------------------------------------------ during the window
 
-    def micro_step_done(self, param_groups: list[dict[str, Any]]) -> None:
-        """A micro-step that does not close the window was counted: fold it now, or, under
-        AMP, leave it for ``scaler.step`` (which knows its loss scale)."""
+    def micro_step_done(self, params: list[Tensor]) -> None:
+        """A micro-step that does not close the window was counted (``params``: the wrapped
+        parameters): fold it now, or, under AMP, leave it for ``scaler.step`` (which knows its
+        loss scale)."""
         if self.scaler is not None and self.loss_scale() is not None:
             self.unfolded += 1
         elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
-            params = self._buffered
-            if params is None:
-                params = self.buffered_params(_grads.params_of(param_groups))
+            params = self.buffered_params(params)
+            if not params:  # listed now: nothing buffered in this window
+                return
             self.fold(params, None)  # what .grad holds: the first micro-step, sparse gradients
             if not self.folding:
                 self._start_folding(params)
@@ -218,13 +222,13 @@ class WindowBuffer:
         the window (``micro_step`` of them) lives in ``.grad``."""
         return not self.unfolded and (micro_step == 0 or self.buffer_all)
 
-    def in_flight_nonfinite(self, param_groups: list[dict[str, Any]]) -> bool:
+    def in_flight_nonfinite(self, params: list[Tensor]) -> bool:
         """Whether the gradient in ``.grad`` holds an inf/NaN (one host sync). False when
         finished micro-steps are mixed in (PyTorch's gated AMP recipe): the scaler then skips
         the window at the boundary if needed."""
         if self.unfolded:
             return False
-        return not _grads.all_finite(_grads.grads_of(_grads.params_of(param_groups)))
+        return not _grads.all_finite(_grads.grads_of(params))
 
     def route_all(self, params: list[Tensor], micro_step: int, closed: bool) -> None:
         """Route every parameter through the buffer from now on (rollback); what the open
@@ -239,20 +243,24 @@ class WindowBuffer:
 
     # ------------------------------------------------------------------ the boundary
 
-    def close(self, params: list[Tensor], divisor: float | None) -> None:
+    def close(
+        self, params: list[Tensor], divisor: float | None, grads: list[Tensor | None] | None = None
+    ) -> None:
         """Write the window's gradient into ``.grad``: (sum * scale + .grad) / divisor.
 
         Buffered parameters get the merged result cast to their own dtype (the dtype the inner
         optimizer expects); the others are divided in place. The current AMP loss scale is
         re-applied to the buffered sums, so ``.grad`` is in the units ``GradScaler.unscale_``
         expects. ``divisor`` None or 1: no division. Each sum is freed as soon as it is cast,
-        so the sums and the window's gradient coexist for one parameter at a time.
+        so the sums and the window's gradient coexist for one parameter at a time. ``grads``:
+        the parameters' ``.grad`` as just read by the caller (aligned with ``params``), or None.
         """
         self.folding = False  # the window's gradient is formed: autograd must not move it
         self._forget_order()
         if not self.sums:  # everything is in .grad: at most one division
             if divisor is not None and divisor != 1:
-                _grads.div_(_grads.grads_of(params), divisor)
+                present = _grads.grads_of(params) if grads is None else _grads.present(grads)
+                _grads.div_(present, divisor)
             return
         scale = self.loss_scale()
         with torch.no_grad():

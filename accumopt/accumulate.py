@@ -130,6 +130,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._thread: int | None = None  # the thread that steps the wrapper (the first one)
         self._defer, self._deferred = False, None  # the runner's deferred counting
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
+        self._listed: list[Tensor] | None = None  # the window's parameters (_window_params)
         _binding.bind(self, model)  # sets model, _sync (DDP/FSDP2) and _counter
         self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
@@ -142,12 +143,21 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     will_update = property(lambda self: self._window.closed, doc=_refusals.WILL_UPDATE)
     _opt_called = _guards.scheduler_handshake  # how torch's LR schedulers are seen
 
+    def _window_params(self) -> list[Tensor]:
+        """The wrapped parameters in state-dict order, listed once per window (again after
+        ``add_param_group`` or a checkpoint load)."""
+        params = self._listed
+        if params is None:
+            params = self._listed = params_of(self.param_groups)
+        return params
+
     def _close_window(self, params: list[Tensor]) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
-        _guards.check_close(self)
+        grads = _guards.check_close(self, params)
         self._window.closed = True
         self._sync.settle_items(self._window)
-        self._sync.close(self._buffer, params, self._window.divisor(self._sync.world_size))
+        divisor = self._window.divisor(self._sync.world_size)
+        self._sync.close(self._buffer, params, divisor, grads)
 
     def _plan_sync(self) -> None:
         self._sync.plan_next(self._window, self._buffer, self.param_groups)
@@ -220,7 +230,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self._drop_at_step = False
             self._drop()
             return
-        params = params_of(self.param_groups)
+        params = self._window_params()
         if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
             found = self._buffer.inf_flag(self, self.__dict__["found_inf"])
             found = self._sync.agreed_found_inf(self.scaler, self, found)
@@ -275,7 +285,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         return bool(self._transaction(self._flush))
 
     def _flush(self) -> bool:
-        params = params_of(self.param_groups)
+        params = self._window_params()
         if not self._window.closed:
             self._close_window(params)
         self._buffer.unscale_closed(params)
@@ -317,6 +327,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self._counter.rearm()
 
     def _reset_window(self) -> None:
+        self._listed = None
         self._guard.forget()
         self._buffer.reset()
         self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
@@ -347,6 +358,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         inner.add_param_group(param_group)
+        self._listed = None
         self._buffer.forget_params()
         self._counter.watch(self.param_groups[-1]["params"])
 

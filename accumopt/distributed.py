@@ -128,9 +128,11 @@ class LocalSync:
         """One process: its own inf/NaN flag."""
         return found_inf
 
-    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
-        """Form the window's gradient in ``.grad``."""
-        buffer.close(params, divisor)
+    def close(
+        self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None, grads: Any
+    ) -> None:
+        """Form the window's gradient in ``.grad`` (``grads``: see ``WindowBuffer.close``)."""
+        buffer.close(params, divisor, grads)
 
 
 def sync_for(
@@ -342,9 +344,10 @@ class GradSync:
             raise RuntimeError(_refusals.ranks_apart([r[2] for r in rows]))
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
-    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
-        """Form the window's gradient over all ranks in ``.grad`` (``divisor``: what the sum
-        over all ranks is divided by; None: not at all)."""
+    def close(
+        self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None, _: object
+    ) -> None:
+        """Form the window's gradient over all ranks in ``.grad``, divided by ``divisor``."""
         if self.synced:  # DDP's reducer averaged the window over the ranks already
             buffer.close(params, None if divisor is None else divisor / self.world_size)
             return
@@ -370,10 +373,7 @@ class GradSync:
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
             if g.is_sparse:
-                raise RuntimeError(
-                    "Accumulate: sparse gradients cannot be summed across ranks by accumopt; "
-                    "expected dense gradients under DistributedDataParallel."
-                )
+                raise RuntimeError(_refusals.SPARSE_ACROSS_RANKS)
             groups.setdefault((g.device, g.dtype), []).append(g)
         for tensors in groups.values():
             flat = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]

@@ -230,16 +230,21 @@ class NoiseScale:
         skipped = self._seen % self.every_windows != 0
         if opt is None or skipped or synced or (items is not None and items <= 0):
             return
-        grads = _grads.grads_of(_grads.params_of(opt.param_groups))
+        grads = _grads.grads_of(opt._window_params())
         if grads:
             n = 1.0 if items is None else float(items)
             self._small = (self._squares(grads, opt._buffer.loss_scale()), n)
 
     def _window_closed(
-        self, sync: Any, window: Window, buffer: WindowBuffer, params: list[Tensor]
+        self,
+        sync: Any,
+        window: Window,
+        buffer: WindowBuffer,
+        params: list[Tensor],
+        held: list[Tensor] | None,
     ) -> None:
-        """The window's gradient is in ``.grad``: keep both squared norms (no host sync), read
-        the previous window's."""
+        """The window's gradient is in ``.grad`` (``held``: its tensors, or None to read them):
+        keep both squared norms (no host sync), read the previous window's."""
         self._read()
         measured, self._seen = self._seen % self.every_windows == 0, self._seen + 1
         small, self._small = self._small, None
@@ -247,7 +252,7 @@ class NoiseScale:
         if not measured or (small is None and world == 1):  # nothing to estimate from
             return
         big_batch = window.items if window.weighted else float(window.micro_step * world)
-        grads = _grads.grads_of(params)
+        grads = _grads.grads_of(params) if held is None else held
         if big_batch <= 0 or not grads:
             return
         big = self._squares(grads, buffer.loss_scale())
@@ -295,11 +300,16 @@ class _NoiseHooks:
             self.noise_scale._first_micro_step(items, synced)
         return super().counted(items, window)  # type: ignore[misc, no-any-return]
 
-    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
-        super().close(buffer, params, divisor)  # type: ignore[misc]
+    def close(
+        self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None, grads: Any
+    ) -> None:
+        # the .grad tensors read before the close are the window's gradient where no buffered
+        # sum replaces them (each divided in place)
+        held = None if grads is None or buffer else _grads.present(grads)
+        super().close(buffer, params, divisor, grads)  # type: ignore[misc]
         opt = self.noise_scale._opt() if self.noise_scale._opt is not None else None
         if opt is not None:
-            self.noise_scale._window_closed(self, opt._window, buffer, params)
+            self.noise_scale._window_closed(self, opt._window, buffer, params, held)
 
 
 _MIXED: dict[type, type] = {}

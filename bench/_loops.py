@@ -27,8 +27,8 @@ For ``MicroBatchRunner`` (one batch of k x m rows per optimizer step):
 
 - **hand micro-batch loop**: for each slice of m rows, forward and ``(loss_sum / n).backward()``
   (n = k x m rows), then one ``step()`` and ``zero_grad()``;
-- **runner, fixed m**: ``MicroBatchRunner(Accumulate(SGD, every_items=n), loss_fn,
-  micro_batch_size=m)`` called once on the batch (``loss_fn`` returns the summed loss);
+- **runner, fixed m**: ``MicroBatchRunner(Accumulate(SGD, every_items=n, model=model),
+  loss_fn, micro_batch_size=m)`` called once on the batch (``loss_fn`` returns the summed loss);
 - **runner, auto (settled)**: ``micro_batch_size="auto"`` (start at the whole batch), first
   trained under ``simulate_oom(model, m)`` until its search settled at m; then the simulated
   limit is lifted and the parameters are reset, so the timed steps run at m with no OOM
@@ -437,10 +437,11 @@ def hand_micro_window(model: nn.Module, batch: Batch, micro: int) -> Window:
 
 
 def make_runner(model: nn.Module, n: int, micro: int | None) -> MicroBatchRunner:
-    """A runner over ``Accumulate(SGD, every_items=n)``: fixed ``micro`` rows, or "auto" with
-    ``grow_after=None`` (no probe above the settled size after 1000 clean micro-batches: the
-    timed steps must all run at the size it settled on)."""
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every_items=n)
+    """A runner over ``Accumulate(SGD, every_items=n, model=model)`` (counted at the model's
+    outputs, the documented setting): fixed ``micro`` rows, or "auto" with ``grow_after=None``
+    (no probe above the settled size after 1000 clean micro-batches: the timed steps must all
+    run at the size it settled on)."""
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every_items=n, model=model)
     if micro is None:
         return MicroBatchRunner(
             opt, lambda b: sum_loss(model, b), micro_batch_size="auto", grow_after=None

@@ -121,7 +121,7 @@ def train(
     torch.manual_seed(args.seed)
     model = digits.make_model().to(dtype)
     x_train = x_train.to(dtype)
-    opt = Accumulate(digits.make_optimizer(model, args.lr), every_items=args.batch)
+    opt = Accumulate(digits.make_optimizer(model, args.lr), every_items=args.batch, model=model)
 
     def loss_fn(batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
