@@ -12,6 +12,9 @@ that machine noise hits both sides alike:
   and is discarded after k micro-steps) against k plain backward passes and one
   ``zero_grad()``, counting at the parameters and at the outputs (``model=``), on both models:
   all that counting costs, per pass;
+- the bare mechanism of counting at the outputs, with nothing accumopt does around it: a
+  forward hook that puts a hook on the output, which queues an end-of-backward callback that
+  queues a second one (as accumopt's counter does), against plain passes (tiny MLP);
 - accumopt's own cost per micro-step, the same way on a model of one parameter tensor
   (``Linear(1, 1, bias=False)``): one hook call, the end-of-backward callbacks, ``step()`` and
   ``zero_grad()`` (public API only);
@@ -28,6 +31,7 @@ import copy
 import gc
 import time
 import timeit
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -116,6 +120,24 @@ def noop(*_: object) -> None:
     """A hook that does nothing."""
 
 
+def bare_counting(model: nn.Module) -> None:
+    """Hook ``model`` the way counting at its outputs does, with callbacks that do nothing."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+
+    def fire() -> None:
+        queue(noop)
+
+    def on_output(_: Tensor) -> None:
+        queue(fire)
+
+    def on_forward(_: nn.Module, __: object, output: Tensor) -> None:
+        # registered the way accumopt's counter does it (no RemovableHandle)
+        output._backward_hooks = OrderedDict(((-1, on_output),))
+        output.grad_fn._register_hook_dict(output)
+
+    model.register_forward_hook(on_forward)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{hooks_us:.1f} us per pass, {hooks_us / 100:.2f} us per tensor",
         ]
     )
+
+    counted0 = copy.deepcopy(small)
+    bare_counting(counted0)
+    us0 = difference_us(passes(counted0, data, False), plain, args.rounds)
+    rows.append(["the bare mechanism of counting at the outputs (tiny MLP)", f"{us0:.1f} us/pass"])
 
     for name, model_, data_ in (("tiny MLP", small, data), ("100 tensors", big, data100)):
         bare = copy.deepcopy(model_)
