@@ -10,8 +10,10 @@ first micro-step) and checks it once, when the window closes: O(parameters) per 
 per micro-step, and the error comes before the first wrong update.
 
 What it cannot see: a gradient zeroed in place in a window where that parameter was not reached
-by some micro-step (its version counter is then within the allowance), and an LR held in a
-tensor and changed in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2
+by some micro-step (its version counter is then within the allowance), a sparse gradient set to
+None or replaced (sparse accumulation itself replaces the tensor while this guard holds the
+noted one, so a replacement is taken for accumulation), and an LR held in a tensor and changed
+in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2
 the closing pass replaces ``.grad`` legitimately, so only the learning rate is checked there.
 """
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
+from operator import is_not
 from threading import get_ident
 from typing import Any
 
@@ -144,11 +145,19 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     _opt_called = _guards.scheduler_handshake  # how torch's LR schedulers are seen
 
     def _window_params(self) -> list[Tensor]:
-        """The wrapped parameters in state-dict order, listed once per window (again after
-        ``add_param_group`` or a checkpoint load)."""
-        params = self._listed
-        if params is None:
-            params = self._listed = params_of(self.param_groups)
+        """The wrapped parameters in state-dict order, listed afresh (groups added to the inner
+        optimizer or edited inside the window are seen), as the same list object within a
+        window while they do not change (the window guard's read of ``.grad`` is reused at the
+        close only for that object)."""
+        params = params_of(self.param_groups)
+        listed = self._listed
+        if (
+            listed is not None
+            and len(listed) == len(params)
+            and not any(map(is_not, params, listed))
+        ):
+            return listed
+        self._listed = params
         return params
 
     def _close_window(self, params: list[Tensor]) -> None:

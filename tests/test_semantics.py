@@ -485,9 +485,21 @@ def test_10_add_param_group_after_wrapping_is_counted() -> None:
     assert_same_params(model, ref)
 
 
-def test_10_a_group_added_between_windows_and_inside_one_is_divided_with_the_window() -> None:
-    # the wrapper lists its parameters once per window: a group added after an update, or
-    # inside the open window, must still be divided at the next boundary
+@pytest.mark.parametrize("how", ["wrapper", "inner", "append"])
+def test_10_a_group_added_between_windows_and_inside_one_is_divided_with_the_window(
+    how: str,
+) -> None:
+    # the wrapper reuses one list of its parameters within a window: a group added after an
+    # update, or inside the open window (through the wrapper, the inner optimizer, or by
+    # appending to a group's list), must still be divided at the next boundary
+    def add(acc: Accumulate, params: list[nn.Parameter]) -> None:
+        if how == "wrapper":
+            acc.add_param_group({"params": params, "lr": 0.2})
+        elif how == "inner":
+            acc.optimizer.add_param_group({"params": params, "lr": 0.2})
+        else:
+            acc.param_groups[0]["params"].extend(params)
+
     for inside in (False, True):
         ref, model = twins(mlp(23))
         ref_opt = torch.optim.SGD(ref[0].parameters(), lr=0.1)
@@ -495,16 +507,17 @@ def test_10_a_group_added_between_windows_and_inside_one_is_divided_with_the_win
         x, y = data(23, 8)
         full_batch_step(ref, ref_opt, x[:4], y[:4])
         run_window(acc, model, x[:4], y[:4], [2, 2])
-        ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.2})
+        lr = 0.1 if how == "append" else 0.2
+        ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": lr})
         full_batch_step(ref, ref_opt, x[4:], y[4:])
         for p in model[2].parameters():  # what the first window left there: no group's
             p.grad = None
         if not inside:
-            acc.add_param_group({"params": list(model[2].parameters()), "lr": 0.2})
+            add(acc, list(model[2].parameters()))
         for i, (xb, yb) in enumerate(zip(x[4:].split(2), y[4:].split(2))):
             (mse_sum(model, xb, yb) / len(xb)).backward()
             if inside and i == 0:
-                acc.add_param_group({"params": list(model[2].parameters()), "lr": 0.2})
+                add(acc, list(model[2].parameters()))
             acc.step()
             acc.zero_grad()
         assert acc.updates == 2
