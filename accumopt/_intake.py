@@ -166,7 +166,7 @@ class MicroStepIntake:
         if self._window.count(self._sync.counted(items, self._window)):
             self._close_window(self._window_params())
         else:
-            self._buffer.micro_step_done(self._window_params())
+            self._buffer.micro_step_done(self._window_params)
             self._plan_sync()
             if self._window.micro_step == 1:
                 _guards.note(self)  # type: ignore[arg-type]  # the mixin's owner

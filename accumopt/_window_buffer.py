@@ -27,6 +27,7 @@ memory_bf16.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter, is_not
 from typing import Any
@@ -141,14 +142,13 @@ class WindowBuffer:
 
     # ------------------------------------------------------------------ during the window
 
-    def micro_step_done(self, params: list[Tensor]) -> None:
-        """A micro-step that does not close the window was counted (``params``: the wrapped
-        parameters): fold it now, or, under AMP, leave it for ``scaler.step`` (which knows its
-        loss scale)."""
+    def micro_step_done(self, params_of: Callable[[], list[Tensor]]) -> None:
+        """A micro-step that does not close the window was counted: fold it now (``params_of()``
+        lists the parameters, when needed), or under AMP leave it for ``scaler.step``."""
         if self.scaler is not None and self.loss_scale() is not None:
             self.unfolded += 1
         elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
-            params = self.buffered_params(params)
+            params = self.buffered_params(params_of())
             if not params:  # listed now: nothing buffered in this window
                 return
             self.fold(params, None)  # what .grad holds: the first micro-step, sparse gradients
