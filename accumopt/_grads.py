@@ -36,6 +36,27 @@ def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     return dense, sparse
 
 
+def holds_indices(total: Tensor, part: Tensor) -> bool:
+    """Whether ``total`` has an entry at every index where the sparse ``part`` has one: true
+    of a sum accumulated from ``part`` (concatenated, or coalesced into the union of the
+    indices); a dense ``total`` (sparse plus dense accumulation) counts as holding it. Used to
+    tell a sparse gradient that accumulation replaced from one cleared and rebuilt."""
+    if not total.is_sparse:
+        return True
+    if total.sparse_dim() != part.sparse_dim() or total.shape != part.shape:
+        return False
+    return bool(torch.isin(_linear_indices(part), _linear_indices(total)).all())
+
+
+def _linear_indices(sparse: Tensor) -> Tensor:
+    """The sparse dimensions' indices of each entry of a COO tensor as one integer."""
+    indices = sparse._indices()
+    flat = indices[0]
+    for dim in range(1, sparse.sparse_dim()):
+        flat = flat * sparse.shape[dim] + indices[dim]
+    return flat
+
+
 _TENSOR_DIVISOR = (torch.float32, torch.float64)
 _DTYPE = attrgetter("dtype")
 _IS_CPU = attrgetter("is_cpu")

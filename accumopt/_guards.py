@@ -5,16 +5,15 @@ version counter grows by one per accumulating backward pass) and are applied at 
 with the learning rate the window was opened under. Code that does not know about the window
 breaks that silently: ``model.zero_grad()`` or a framework's own zeroing after every micro-step,
 ``p.grad = None``, ``p.grad.zero_()``, an LR scheduler stepped every micro-step, the inner
-optimizer stepped directly. :class:`WindowGuard` notes the state once per window (after its
-first micro-step) and checks it once, when the window closes: O(parameters) per window, nothing
-per micro-step, and the error comes before the first wrong update.
+optimizer stepped directly. :class:`WindowGuard` notes the state after a window's first
+micro-step and checks it once, at its close: O(parameters) per window, nothing per micro-step.
 
 What it cannot see: a gradient zeroed in place in a window where that parameter was not reached
 by some micro-step (its version counter is then within the allowance), a sparse gradient set to
-None or replaced (sparse accumulation itself replaces the tensor while this guard holds the
-noted one, so a replacement is taken for accumulation), and an LR held in a tensor and changed
-in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2
-the closing pass replaces ``.grad`` legitimately, so only the learning rate is checked there.
+None whose later micro-steps reached every row the first one did (sparse accumulation may
+replace the tensor: a replacement that kept those rows passes), an LR held in a tensor and
+changed in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2 the closing
+pass replaces ``.grad`` legitimately, so only the learning rate is checked there.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+
+from accumopt._grads import holds_indices
 
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
@@ -196,8 +197,8 @@ def _change(now: Tensor | None, noted: Tensor, version: int | None, passes: int)
         return "set to None"
     if now is not noted:
         # accumulation itself replaces a sum under create_graph=True (the new sum has a
-        # history) and may replace a sparse one
-        accumulated = now.grad_fn is not None or noted.is_sparse
+        # history; a sparse one need not, but it keeps every index of the noted one)
+        accumulated = now.grad_fn is not None or (noted.is_sparse and holds_indices(now, noted))
         return None if accumulated else "replaced by another tensor"
     if version is not None and now._version > version + passes:
         return "changed in place: zeroed, or clipped inside the window"

@@ -559,3 +559,36 @@ def test_10_sparse_gradients(kind: str) -> None:
         for acc in accs:  # each wrapper counts the backward pass through its own parameters
             acc.step()
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("rows_later", [[3], [1, 3]])
+def test_10_a_sparse_gradient_set_to_none_inside_the_window_is_refused(
+    rows_later: list[int],
+) -> None:
+    # sparse accumulation may replace the tensor (create_graph=True below), so a replaced
+    # sparse .grad is taken for accumulation only if it kept every row the window had reached
+    model = Bag()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=2)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    acc.step()
+    model.emb.weight.grad = None  # the first micro-step's rows 1 and 2 are lost
+    with pytest.raises(RuntimeError, match="replaced or cleared"):  # checked at the close
+        model(torch.tensor([rows_later])).sum().backward()
+
+
+def test_10_sparse_sums_replaced_by_create_graph_accumulation_are_not_refused() -> None:
+    # a sparse sum without a history: create_graph=True makes accumulation replace it
+    torch.manual_seed(24)
+    ref, model = twins(nn.Embedding(10, 4, sparse=True))
+    ids = torch.tensor([[1, 2], [3, 1]])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (ref(ids).sum() / 2).backward()  # linear: the gradients have no history
+    ref_opt.step()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: create_graph=True and .grad make a cycle
+        for row in ids:
+            model(row).sum().backward(create_graph=True)  # one row: its mean
+            acc.step()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
