@@ -148,7 +148,7 @@ class WindowBuffer:
         if self.scaler is not None and self.loss_scale() is not None:
             self.unfolded += 1
         elif self._buffered != []:  # the common fp32 case: nothing to fold, nothing to list
-            params = self.buffered_params(params_of())
+            params = self._buffered or self.buffered_params(params_of())  # None: list them
             if not params:  # listed now: nothing buffered in this window
                 return
             self.fold(params, None)  # what .grad holds: the first micro-step, sparse gradients
