@@ -242,8 +242,8 @@ def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor
 
 def check_lr(opt: AccumulatingOptimizer) -> None:
     """Before the inner step: refuse a learning rate changed inside the window, or a scheduler
-    stepped more than once since the last update (the window stays closed and intact; a
-    retried ``step()`` checks again)."""
+    stepped inside it (the window stays closed and intact; a retried ``step()`` checks
+    again)."""
     problem = opt._guard.lr_changed(opt.param_groups) or opt._guard.scheduler_stepped()
     if problem is not None:
         raise RuntimeError(problem)

@@ -131,7 +131,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._thread: int | None = None  # the thread that steps the wrapper (the first one)
         self._defer, self._deferred = False, None  # the runner's deferred counting
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
-        self._listed: list[Tensor] | None = None  # the window's parameters (_window_params)
+        self._listed: list[Tensor] | None = None  # the last listing (_window_params)
         _binding.bind(self, model)  # sets model, _sync (DDP/FSDP2) and _counter
         self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
@@ -145,10 +145,10 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     _opt_called = _guards.scheduler_handshake  # how torch's LR schedulers are seen
 
     def _window_params(self) -> list[Tensor]:
-        """The wrapped parameters in state-dict order, listed afresh (groups added to the inner
-        optimizer or edited inside the window are seen), as the same list object within a
-        window while they do not change (the window guard's read of ``.grad`` is reused at the
-        close only for that object)."""
+        """The wrapped parameters in state-dict order, listed afresh at every call (groups added
+        to the inner optimizer or edited inside a window are seen), as the same list object
+        while they do not change (the window guard's read of ``.grad`` is reused at the close
+        only for that object)."""
         params = params_of(self.param_groups)
         listed = self._listed
         if (
@@ -336,7 +336,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self._counter.rearm()
 
     def _reset_window(self) -> None:
-        self._listed = None
         self._guard.forget()
         self._buffer.reset()
         self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
@@ -367,7 +366,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         inner.add_param_group(param_group)
-        self._listed = None
         self._buffer.forget_params()
         self._counter.watch(self.param_groups[-1]["params"])
 
