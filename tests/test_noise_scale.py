@@ -45,7 +45,9 @@ def _items(gen: torch.Generator, rows: int) -> torch.Tensor:
 def _estimate(k: int, m: int, weighted: bool, seed: int = 0, windows: int = 50) -> NoiseScale:
     model = MeanModel()
     opt = Accumulate(
-        torch.optim.SGD(model.parameters(), lr=0.0), every=k, noise_scale=NoiseScale(decay=None)
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        every=k,
+        noise_scale=NoiseScale(decay=None, every_windows=1),
     )
     gen = torch.Generator().manual_seed(seed)
     while opt.updates < windows:
@@ -81,7 +83,7 @@ def test_items_windows_with_ragged_micro_batches() -> None:
     opt = Accumulate(
         torch.optim.SGD(model.parameters(), lr=0.0),
         every_items=48,
-        noise_scale=NoiseScale(decay=None),
+        noise_scale=NoiseScale(decay=None, every_windows=1),
     )
     gen = torch.Generator().manual_seed(1)
     j = 0
@@ -101,7 +103,11 @@ def test_off_costs_nothing_and_on_reads_no_host_value_inside_the_window(
     off = Accumulate(torch.optim.SGD(MeanModel().parameters(), lr=0.1), every=4)
     assert off.noise_scale is None and type(off._sync) is LocalSync
     model = MeanModel()
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, noise_scale=True)
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        every=4,
+        noise_scale=NoiseScale(every_windows=1),
+    )
     assert isinstance(opt._sync, LocalSync) and type(opt._sync) is not LocalSync
     reads: list[str] = []
     for name in ("item", "tolist", "__bool__", "__float__"):
@@ -164,6 +170,57 @@ def test_every_windows_measures_one_window_in_n_and_stays_within_10_percent() ->
     assert resumed._seen == 200 and resumed.every_windows == 4
 
 
+def _measured_windows(every: Any, sizes: list[int], est: NoiseScale, cut: int = -1) -> list[int]:
+    """Train windows of ``sizes`` micro-steps (``every``: an int, or a schedule giving them)
+    under ``est``; the indices of the windows that gave an estimate. At window ``cut`` the
+    wrapper is saved and a fresh one resumed from the checkpoint."""
+    model = MeanModel()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=every, noise_scale=est)
+    gen, measured = torch.Generator().manual_seed(5), []
+    for index, size in enumerate(sizes):
+        if index == cut:
+            state = opt.state_dict()
+            est = NoiseScale()
+            opt = Accumulate(
+                torch.optim.SGD(model.parameters(), lr=0.0), every=every, noise_scale=est
+            )
+            opt.load_state_dict(state)
+        before = est.windows
+        for _ in range(size):
+            opt.backward(model(_items(gen, 2)).sum(), items=2)
+            opt.step()
+            opt.zero_grad()
+        assert opt.did_update
+        if est.windows > before:
+            measured.append(index)
+    return measured
+
+
+@pytest.mark.parametrize(
+    ("every", "sizes", "expected"),
+    [
+        (4, [4] * 13, [0, 4, 8, 12]),  # one window in 16 / 4
+        (16, [16] * 4, [0, 1, 2, 3]),  # every window once it holds 16 micro-steps
+        (3, [3] * 14, [0, 6, 12]),  # 18 micro-steps from one to the next
+        # a schedule of 2, 2, 4, 4, 8, 8, 16, 16 micro-steps: 16 counted since the last
+        # measured window began (window 6 follows window 5 by 8 micro-steps only)
+        (None, [2, 2, 4, 4, 8, 8, 16, 16], [0, 5, 7]),
+    ],
+)
+@pytest.mark.parametrize("cut", [-1, 2, 5])
+def test_by_default_one_window_per_16_micro_steps_is_measured_also_across_a_resume(
+    every: int | None, sizes: list[int], expected: list[int], cut: int
+) -> None:
+    """The default bounds the estimate's cost per micro-step (bench/bench_noise_scale.py): a
+    window is measured when 16 micro-steps were counted since the last measured one began;
+    the first window always; a checkpoint carries the count (a resumed run measures the same
+    windows as one that was not interrupted)."""
+    schedule = (
+        every if every is not None else (lambda updates, _: sizes[min(updates, len(sizes) - 1)])
+    )
+    assert _measured_windows(schedule, sizes, NoiseScale(), cut) == expected
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(TypeError, match="noise_scale="):
         Accumulate(torch.optim.SGD(MeanModel().parameters(), lr=0.1), every=2, noise_scale=3)
@@ -187,7 +244,7 @@ def _ddp_rank(rank: int) -> dict[str, Any]:
         torch.optim.SGD(model.parameters(), lr=0.0),
         every=K,
         model=model,
-        noise_scale=NoiseScale(decay=None),
+        noise_scale=NoiseScale(decay=None, every_windows=1),
     )
     gen = torch.Generator().manual_seed(5)
     for _ in range(WINDOWS):
@@ -212,7 +269,7 @@ def test_ddp_agrees_with_one_process_on_the_same_data() -> None:
     opt = Accumulate(
         torch.optim.SGD(model.parameters(), lr=0.0),
         every=K * WORLD,
-        noise_scale=NoiseScale(decay=None),
+        noise_scale=NoiseScale(decay=None, every_windows=1),
     )
     gen = torch.Generator().manual_seed(5)
     for _ in range(WINDOWS):  # the same rows: rank 0's micro-batches, then rank 1's

@@ -96,7 +96,11 @@ def test_many_small_cpu_tensors_take_no_norm_per_tensor(monkeypatch: pytest.Monk
     """The cost target of the noise scale: on a CPU the norms run one by one (about 1.5 us
     per tensor); small gradients are stacked by shape instead."""
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)])
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, noise_scale=True)
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        every=4,
+        noise_scale=NoiseScale(every_windows=1),
+    )
     calls: list[int] = []
     original = torch._foreach_norm
 
@@ -142,7 +146,9 @@ def test_one_window_equals_the_formula_on_hand_computed_norms() -> None:
     and |G_big|² (the window's mean), to rounding."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(7, 3))
-    opt = Accumulate(torch.optim.SGD([w], lr=0.0), every=3, noise_scale=NoiseScale(decay=None))
+    opt = Accumulate(
+        torch.optim.SGD([w], lr=0.0), every=3, noise_scale=NoiseScale(decay=None, every_windows=1)
+    )
     rows = [torch.randn(n, 7, 3) for n in (2, 3, 5)]
     for z in rows:
         opt.backward(((w - z) ** 2).sum(), items=len(z))
