@@ -109,6 +109,7 @@ class Interleave:
         baseline_name: str = "hand loop",
         extra: dict[str, Any] | None = None,
         min_piece_ms: float = PIECE_MS,
+        repeat_multiple: int = 1,
     ) -> dict[str, Any]:
         """Play ``warmup`` uncounted rounds, then ``rounds`` counted ones (through
         ``benchmark.pedantic``); store and return the summary, failing the test on a miss.
@@ -116,10 +117,12 @@ class Interleave:
         ``baseline()`` is called three times (a copy to calibrate, A, B); ``contender(n)``
         builds the contender for ``n`` calls in all. A piece runs its window ``repeat`` times in
         a row, ``repeat`` chosen from one timed baseline call so that a piece lasts at least
-        ``min_piece_ms``."""
+        ``min_piece_ms``, rounded up to a multiple of ``repeat_multiple`` (a contender whose
+        windows differ in a cycle of that many: every piece then holds whole cycles)."""
         config = self.request.config
         rounds = counted_rounds(config, rounds)
         repeat = calibrate(baseline(), min_piece_ms)  # a third copy: A and B stay in step
+        repeat = -(-repeat // repeat_multiple) * repeat_multiple
         base_a, base_b = baseline(), baseline()
         window = contender((warmup + rounds) * repeat)
         played = Rounds(
