@@ -205,7 +205,10 @@ class AdaptiveBatch(Schedule):
     for it: ``accumopt.noise``), the critical batch estimate ``B_simple``, and sets the window
     to ``fraction * B_simple`` (converted to micro-steps with the last window's batch per
     micro-step), but at most ``growth`` times the current size, and never less than it. The
-    micro-batch stays what it is: only the number of micro-steps per update changes.
+    micro-batch stays what it is: only the number of micro-steps per update changes. The
+    estimate it reads is the wrapper's ``noise_scale`` (``NoiseScale()`` when not given, which
+    measures one window per 16 micro-steps: short windows then see few estimates; pass
+    ``noise_scale=NoiseScale(every_windows=1)`` for one per window).
 
     Args:
         minimum, maximum: the bounds (the first window has ``minimum``).
