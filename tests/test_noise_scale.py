@@ -284,3 +284,32 @@ def test_ddp_agrees_with_one_process_on_the_same_data() -> None:
     assert ddp == pytest.approx(single, rel=0.10)
     # per update: one item-count all-reduce (accumopt's own) and one for the estimate
     assert ranks[0]["all_reduces"] == 2 * WINDOWS
+
+
+def _ddp_default_rank(rank: int) -> list[int]:
+    """DDP with NoiseScale's default, windows in items whose micro-batches differ in size per
+    rank (3, 3, 5, 3, 3, 5, ... micro-steps); the windows that gave an estimate."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(MeanModel())
+    est = NoiseScale()
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.0), every_items=4 * M, model=model, noise_scale=est
+    )
+    gen, measured = torch.Generator().manual_seed(7 + rank), []
+    for window in range(12):
+        before, rows = est.windows, M - rank - 2 * (window % 3)  # rank 0: 8, 6, 4 rows
+        while True:
+            opt.backward(model(_items(gen, rows)).sum(), items=rows)
+            opt.step()
+            opt.zero_grad()
+            if opt.did_update:
+                break
+        if est.windows > before:
+            measured.append(window)
+    return measured
+
+
+def test_ddp_ranks_measure_the_same_windows_by_default() -> None:
+    """Every rank counts the same micro-steps, so the default's measured windows (and their
+    one all-reduce each) are the same on every rank: 16 micro-steps from one to the next."""
+    assert run_ranks(_ddp_default_rank, world_size=WORLD) == [[0, 5, 9]] * WORLD
