@@ -78,7 +78,7 @@ class NoiseScale:
             one in ``ceil(16 / k)`` windows of k micro-steps (one in 4 at k = 4), the first
             window always. An int >= 1: one window in this many (1: every window). Each
             measured window costs two squared-norm passes over the gradients: fused on a
-            GPU; on a CPU, small gradients are stacked by shape and dotted (about 0.35 us
+            GPU; on a CPU, small gradients are stacked by shape and dotted (about 0.2 us
             per parameter tensor and pass in isolation, 0.1-0.2 ms per measured window on
             100 small tensors inside a training loop), large ones take a norm per tensor. A
             window that is not measured costs nothing. The default keeps the cost under 1 %

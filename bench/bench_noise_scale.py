@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -68,7 +69,7 @@ def noise_window(model: torch.nn.Module, batches: list[Any], every_windows: int 
 def _setting(every_windows: int | None) -> str:
     """How a case's contender is named in the tables."""
     if every_windows is None:
-        return "default (one window per 16 micro-steps)"
+        return f"default (one window per {NoiseScale.MIN_MICRO_STEPS} micro-steps)"
     return f"every_windows={every_windows}"
 
 
@@ -96,7 +97,7 @@ def test_noise_scale(name: str, k: int, every_windows: int | None, interleave: A
         target=TARGET,
         extra={"description": work.description},
         # the default measures one window in a cycle of ceil(16 / k): whole cycles per piece
-        repeat_multiple=-(-NoiseScale.MIN_MICRO_STEPS // k) if every_windows is None else 1,
+        repeat_multiple=math.ceil(NoiseScale.MIN_MICRO_STEPS / k) if every_windows is None else 1,
     )
 
 
