@@ -120,6 +120,9 @@ class NoiseScale:
         self._per_step: float | None = None  # batch_per_micro_step
         self._sums = [0.0, 0.0, 0.0]  # weighted sums of tr(Σ), |G|², and of the weights
         self._small: tuple[Tensor, float] | None = None  # B_small² |G_small|², B_small
+        # the open window is measured and its first micro-step was this rank's own (not
+        # synchronised by DDP): the same on every rank, unlike _small (a rank with no items)
+        self._first = False
         # a closed window, unread: ((squared norms, CUDA event), host factors to |G_small|²,
         # 1/B_small, |G_big|² (None: DDP's four all-reduced values), 1/B_big, B per micro-step)
         self._pending: (
@@ -233,18 +236,28 @@ class NoiseScale:
         self._seen = int(state.get("seen", 0))
         self._since = int(state.get("since", self.MIN_MICRO_STEPS))
         self._pending = self._small = None
+        self._first = False
 
     def __getstate__(self) -> dict[str, Any]:
         self._read()
-        return {**self.__dict__, "_opt": None, "_small": None, "_squares": SquaredNorm()}
+        return {
+            **self.__dict__,
+            "_opt": None,
+            "_small": None,
+            "_first": False,
+            "_squares": SquaredNorm(),
+        }
 
     # ------------------------------------------------------------------ the window's hooks
 
     def _first_micro_step(self, items: float | None, synced: bool) -> None:
         """The window's first micro-step is in ``.grad``: keep its squared norm (a tensor)."""
-        self._small = None
+        self._small, self._first = None, False
         opt = self._opt() if self._opt is not None else None
-        if opt is None or not self._measures() or synced or (items is not None and items <= 0):
+        if opt is None or not self._measures() or synced:
+            return
+        self._first = True
+        if items is not None and items <= 0:
             return
         grads = _grads.grads_of(opt._window_params())
         if grads:
@@ -268,12 +281,16 @@ class NoiseScale:
         """The window's gradient is in ``.grad`` (``held``: its tensors, or None to read them):
         keep both squared norms (no host sync), read the previous window's."""
         self._read()
-        measured = self._measures()
+        small, first, self._small, self._first = self._small, self._first, None, False
+        world = int(getattr(sync, "world_size", 1))
+        # measured where there is a first micro-step to estimate from: in one process its
+        # norm; under DDP one of each rank's own, alike on every rank (a window whose first
+        # micro-step DDP synchronised, after a flush, or one resumed inside: not measured,
+        # and the next one is due)
+        measured = self._measures() and (small is not None if world == 1 else first)
         self._seen += 1
         self._since = window.micro_step if measured else self._since + window.micro_step
-        small, self._small = self._small, None
-        world = int(getattr(sync, "world_size", 1))
-        if not measured or (small is None and world == 1):  # nothing to estimate from
+        if not measured:
             return
         big_batch = window.items if window.weighted else float(window.micro_step * world)
         grads = _grads.grads_of(params) if held is None else held

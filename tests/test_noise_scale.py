@@ -221,6 +221,33 @@ def test_by_default_one_window_per_16_micro_steps_is_measured_also_across_a_resu
     assert _measured_windows(schedule, sizes, NoiseScale(), cut) == expected
 
 
+def test_a_window_resumed_inside_is_not_measured_and_the_next_one_is() -> None:
+    """A checkpoint taken inside a measured window loses its first micro-step's norm: that
+    window gives no estimate, and the count does not start again there (the next window is
+    measured, not the one 16 micro-steps later)."""
+    model = MeanModel()
+    est = NoiseScale()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=4, noise_scale=est)
+    gen, measured = torch.Generator().manual_seed(5), []
+    for window in range(10):
+        before = est.windows
+        for micro_step in range(4):
+            if window == 4 and micro_step == 1:  # inside the second measured window
+                state = opt.state_dict()
+                est = NoiseScale()
+                opt = Accumulate(
+                    torch.optim.SGD(model.parameters(), lr=0.0), every=4, noise_scale=est
+                )
+                opt.load_state_dict(state)
+                before = est.windows
+            opt.backward(model(_items(gen, 2)).sum(), items=2)
+            opt.step()
+            opt.zero_grad()
+        if est.windows > before:
+            measured.append(window)
+    assert measured == [0, 5, 9]
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(TypeError, match="noise_scale="):
         Accumulate(torch.optim.SGD(MeanModel().parameters(), lr=0.1), every=2, noise_scale=3)
@@ -313,3 +340,35 @@ def test_ddp_ranks_measure_the_same_windows_by_default() -> None:
     """Every rank counts the same micro-steps, so the default's measured windows (and their
     one all-reduce each) are the same on every rank: 16 micro-steps from one to the next."""
     assert run_ranks(_ddp_default_rank, world_size=WORLD) == [[0, 5, 9]] * WORLD
+
+
+def _ddp_flushed_epochs_rank(rank: int) -> list[int]:
+    """DDP, NoiseScale's default, every=4, 16 micro-steps per epoch and ``flush()`` after each:
+    DDP synchronises the first micro-step of each epoch's first window itself (no rank has a
+    gradient of its own there); the windows that gave an estimate."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(MeanModel())
+    est = NoiseScale()
+    opt = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.0), every=4, model=model, noise_scale=est
+    )
+    gen, measured, window = torch.Generator().manual_seed(7 + rank), [], 0
+    for _ in range(4):
+        for _ in range(4):
+            before = est.windows
+            for _ in range(4):
+                opt.backward(model(_items(gen, 4)).sum(), items=4)
+                opt.step()
+                opt.zero_grad()
+            if est.windows > before:
+                measured.append(window)
+            window += 1
+        opt.flush()
+    return measured
+
+
+def test_ddp_windows_synchronised_by_ddp_after_a_flush_do_not_use_up_the_measurement() -> None:
+    """A window whose first micro-step DDP synchronised (after a flush) has nothing to measure:
+    the next window is, on every rank (found by review: an epoch of 16 micro-steps put every
+    due measurement on such a window, and the estimate never moved after the first)."""
+    assert run_ranks(_ddp_flushed_epochs_rank, world_size=WORLD) == [[0, 5, 9, 13]] * WORLD
