@@ -203,6 +203,16 @@ class MicroStepIntake:
         self._check_not_paused("enable_rollback")
         self._transaction(self._route_all)
 
+    def _rollback_off(self) -> bool:
+        """Keep the window that opens next in ``.grad`` (no rollback buffer), where that is the
+        wrapper's default (no ``buffer=True``, no per-micro-batch non-finite policy); returns
+        whether it did. The runner's proven sizes; only between windows."""
+        if self.buffer is True or self.nonfinite in _PER_MICRO_BATCH or self._window.micro_step:
+            return False
+        self._buffer.buffer_all = False
+        self._buffer.forget_params()
+        return True
+
     def _route_all(self) -> None:
         params = self._window_params()
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)

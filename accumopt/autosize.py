@@ -206,6 +206,12 @@ class MicroBatchSizer:
                 describe_key(key),
             )
 
+    def proven(self, key: Hashable, size: int) -> bool:
+        """Whether ``size`` rows ran for shape ``key`` since memory last got scarcer: at most
+        the largest size that ran, with no out-of-memory error at that size or below since."""
+        b = self._brackets.get(key)
+        return b is not None and b.fits is not None and size <= b.fits
+
     def failed(self, key: Hashable, size: int) -> None:
         """Record an out-of-memory error at ``size`` rows for shape ``key``.
 

@@ -5,12 +5,14 @@ than the device holds (it may stay in host memory), cuts it into micro-batches, 
 the device only when it runs, and does forward and backward per micro-batch with exact item
 weights; the wrapper decides when the optimizer really steps. With ``"auto"`` it finds the
 largest micro-batch that fits from out-of-memory errors, during training: a micro-batch that
-runs out of memory is rolled back alone (finished ones stay in the wrapper's window buffer),
-retried smaller, and no sample is lost or counted twice.
+runs out of memory is rolled back alone (finished ones stay in the wrapper's window buffer)
+or, in a window run at a size that fitted before (no buffer), the window starts again; either
+way it is retried smaller, and no sample is lost or counted twice.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Any, Literal, TypeAlias
 
@@ -21,10 +23,13 @@ from accumopt import _tree
 from accumopt._checks import positive_int
 from accumopt._loss_result import NOT_TRAINED, parse
 from accumopt._module_state import ModuleState
+from accumopt._totals import Opened, Totals
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
+
+logger = logging.getLogger("accumopt")
 
 Scaler: TypeAlias = "torch.amp.GradScaler | None"
 """The wrapper's ``GradScaler`` while it is enabled, else None (read once per batch)."""
@@ -53,7 +58,13 @@ class MicroBatchRunner:
     from a snapshot taken before each attempt (see :mod:`accumopt._module_state`), so the run
     equals one that used the final sizes from the start. Buffers need the model: ``model=``
     here, else the wrapper's ``model=``; without either only gradients and generators are
-    restored.
+    restored. Once a size has run for the batch's inputs, a window the call opens at that size
+    runs without the rollback buffer and without a snapshot per attempt (one per window): its
+    micro-steps add up in ``.grad`` as in a plain loop. Should one of them run out of memory
+    after all (memory got scarcer), the window is dropped and run again from its first row at
+    a smaller size, from that snapshot: nothing is lost or counted twice, and its earlier
+    micro-batches are computed twice. Probes of a larger size (``grow_after``), a window
+    carried over from the previous call, DDP and a ``GradScaler`` keep the buffer.
 
     Example:
         >>> import torch
@@ -216,16 +227,19 @@ class MicroBatchRunner:
                 returned a loss that is not a one-element tensor requiring grad, bad ``items``
                 (not a finite number >= 0, nor a one-element tensor holding one), or outputs
                 nested unlike the first micro-batch's: refused before that micro-batch's
-                backward pass (the ones before it were trained, it and the rest were not).
+                backward pass (the ones before it were trained, it and the rest were not; but
+                see below for a window run without the rollback buffer).
 
         Other errors of ``loss_fn`` or of the backward pass propagate unchanged. With
         ``"auto"``, any error leaves the buffers and generators as they were before the
-        micro-batch that raised it.
+        micro-batch that raised it; in a window run without the rollback buffer (see the
+        class), as they were when that window opened, and the window is dropped
+        (``opt.discard()``): the wrapper is as it was then.
         """
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        totals = _Totals(return_outputs)
+        totals = Totals(return_outputs)
         if self._fixed is None:
             self._run_auto(rows_of, scaler, totals)
         else:  # every piece cut at once, none ever retried
@@ -236,25 +250,36 @@ class MicroBatchRunner:
                 self._step(scaler)
         return totals.result()
 
-    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: _Totals) -> None:
-        """The ``"auto"`` loop: an attempt that runs out of memory is rolled back and retried
-        smaller (a snapshot of the buffers and generators is taken before each attempt)."""
+    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: Totals) -> None:
+        """The ``"auto"`` loop. An attempt of a size not proven for these inputs runs with the
+        rollback buffer (a snapshot of the buffers and generators before it; one that runs out
+        of memory is dropped alone and retried smaller). A window this call opens at a proven
+        size runs without them (:class:`Opened`): its micro-steps stay in ``.grad``, and an
+        out-of-memory error there restarts the window from its first row, smaller."""
         n = rows_of.rows
         if self._ranks is not None:
             self._ranks.check_same_rows(n, "MicroBatchRunner")
         key = rows_of.shape_key()
         offset = 0
+        opened: Opened | None = None
+        opt = self.optimizer
         while offset < n:
-            size = self._propose(key, n - offset)
+            size, proven = self._propose(key, n - offset)
+            if opened is not None and not proven:  # a larger size is probed: from here on
+                opened = None  # each micro-batch is rolled back alone
+            elif opened is None and proven and self._may_open(scaler) and opt._rollback_off():
+                opened = Opened(offset, totals.mark(), self._snapshot())
+            if opened is None and not opt._buffer.buffer_all:  # the open window is folded
+                opt.enable_rollback()
+            state = self._snapshot() if opened is None else None
             failure = None
-            state = self._snapshot()
             result = None
             try:
                 piece = rows_of(offset, offset + size)
                 result = self._forward_backward(piece, size, totals.first, scaler)
             except Exception as err:  # re-raised below unless it is an OOM we handle
                 if not is_oom(err):
-                    state.restore()
+                    self._undo(state, opened, offset)
                     raise
                 failure = f"{type(err).__name__}: {err}"
             if self._ranks is not None:  # all ranks back off together, or none does
@@ -262,18 +287,53 @@ class MicroBatchRunner:
                 if failed_ranks and failure is None:
                     failure = f"out of memory on {failed_ranks:g} other rank(s)"
                 if failure is None:
-                    self.optimizer._commit_deferred()
+                    opt._commit_deferred()
             if failure is not None:  # outside the except block: the traceback is gone
                 piece = result = None
-                self._recover(key, size, failure, state)
+                if opened is None:
+                    assert state is not None
+                    self._recover(key, size, failure, state)
+                else:  # the window starts again from its first row, at a smaller size
+                    self._undo(None, opened, offset)
+                    offset = opened.offset
+                    totals.truncate(opened.mark)
+                    opened = None
+                    self._shrink(key, size, failure)
                 continue
-            assert self.sizer is not None and result is not None
+            assert result is not None and self.sizer is not None
             self.sizer.succeeded(key, size)
             self._step(scaler)
             totals.add(*result, size)
             offset += size
+            if opened is not None and opt._window.micro_step == 0:  # the window was applied
+                opened = None
 
-    def _propose(self, key: Hashable, available: int) -> int:
+    def _may_open(self, scaler: Scaler) -> bool:
+        """Whether a window may run without the rollback buffer: one process (the ranks'
+        outcomes are agreed per micro-batch), no GradScaler (its scale moves per micro-batch)."""
+        return self._ranks is None and scaler is None
+
+    def _undo(self, state: ModuleState | None, opened: Opened | None, offset: int) -> None:
+        """After a failed attempt at row ``offset``: restore what it changed (``state``), or
+        drop the window opened without the rollback buffer and restore what it changed since
+        it opened."""
+        if opened is None:
+            assert state is not None
+            state.restore()
+            return
+        self.optimizer.discard()
+        opened.state.restore()
+        if offset > opened.offset:
+            logger.info(
+                "window restarted at row %d of the batch after a failed micro-batch at row %d: "
+                "its %d earlier rows are run again",
+                opened.offset,
+                offset,
+                offset - opened.offset,
+            )
+
+    def _propose(self, key: Hashable, available: int) -> tuple[int, bool]:
+        """The next attempt's size, and whether it ran before (``MicroBatchSizer.proven``)."""
         if self.sizer is None:
             self.sizer = MicroBatchSizer(
                 self._start or available,
@@ -284,7 +344,7 @@ class MicroBatchRunner:
         size = self.sizer.propose(key, available)
         if self.model is not None:
             warn_small_batchnorm(self.model, size)
-        return size
+        return size, self.sizer.proven(key, size)
 
     def _forward_backward(
         self, piece: Any, rows: int, first_out: Any, scaler: Scaler
@@ -325,6 +385,11 @@ class MicroBatchRunner:
         updated, the random numbers it drew), free memory, shrink the next attempt."""
         self.optimizer.drop_micro_step()
         state.restore()
+        self._shrink(key, size, failure)
+
+    def _shrink(self, key: Hashable, size: int, failure: str) -> None:
+        """Free memory and record the out-of-memory error at ``size`` (the next attempt is
+        smaller); NoMicroBatchFits at one row."""
         free_memory()
         assert self.sizer is not None
         try:
@@ -333,35 +398,3 @@ class MicroBatchRunner:
             raise NoMicroBatchFits(
                 f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
             ) from None
-
-
-class _Totals:
-    """One batch's running loss sum and item count, and its outputs with ``return_outputs``."""
-
-    __slots__ = ("first", "items", "keep", "losses", "outputs", "sizes")
-
-    def __init__(self, keep: bool) -> None:
-        self.keep = keep  # return_outputs
-        self.losses: list[Tensor] = []
-        self.items = 0.0
-        self.outputs: list[Any] = []
-        self.sizes: list[int] = []
-        self.first: Any = None  # the first micro-batch's outputs, which the others must match
-
-    def add(self, loss: Tensor, items: float, out: Any, rows: int) -> None:
-        self.losses.append(loss)
-        self.items += items
-        if self.keep and out is not None:
-            self.outputs.append(out)
-            self.sizes.append(rows)
-            self.first = self.outputs[0]
-
-    def result(self) -> Any:
-        """The mean loss (0-dim, detached), or ``(mean, outputs)`` with ``return_outputs``."""
-        total = self.losses[0]  # n >= 1 rows: at least one micro-batch
-        for loss in self.losses[1:]:
-            total = total + loss
-        mean = total / self.items if self.items > 0 else torch.zeros_like(total)
-        if not self.keep:
-            return mean
-        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)

@@ -1,0 +1,66 @@
+"""``MicroBatchRunner``'s bookkeeping of one batch: its running totals (the loss sum, the item
+count and, with ``return_outputs=True``, the per-row outputs of its micro-batches), and where a
+window it opened without the rollback buffer began."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from accumopt import _tree
+from accumopt._module_state import ModuleState
+
+
+class Totals:
+    """One batch's running loss sum and item count, and its outputs with ``return_outputs``."""
+
+    __slots__ = ("first", "items", "keep", "losses", "outputs", "sizes")
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep  # return_outputs
+        self.losses: list[Tensor] = []
+        self.items = 0.0
+        self.outputs: list[Any] = []
+        self.sizes: list[int] = []
+        self.first: Any = None  # the first micro-batch's outputs, which the others must match
+
+    def add(self, loss: Tensor, items: float, out: Any, rows: int) -> None:
+        self.losses.append(loss)
+        self.items += items
+        if self.keep and out is not None:
+            self.outputs.append(out)
+            self.sizes.append(rows)
+            self.first = self.outputs[0]
+
+    def mark(self) -> tuple[int, float, int]:
+        """Where the totals stand, for :meth:`truncate`."""
+        return len(self.losses), self.items, len(self.outputs)
+
+    def truncate(self, mark: tuple[int, float, int]) -> None:
+        """Forget the micro-batches added since ``mark`` (a window that starts again)."""
+        losses, self.items, outputs = mark
+        del self.losses[losses:], self.outputs[outputs:], self.sizes[outputs:]
+        self.first = self.outputs[0] if self.outputs else None
+
+    def result(self) -> Any:
+        """The mean loss (0-dim, detached), or ``(mean, outputs)`` with ``return_outputs``."""
+        total = self.losses[0]  # n >= 1 rows: at least one micro-batch
+        for loss in self.losses[1:]:
+            total = total + loss
+        mean = total / self.items if self.items > 0 else torch.zeros_like(total)
+        if not self.keep:
+            return mean
+        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)
+
+
+@dataclass
+class Opened:
+    """A window the ``"auto"`` loop opened without the rollback buffer: its first row, the
+    totals then (:meth:`Totals.mark`) and the buffers and generators then."""
+
+    offset: int
+    mark: tuple[int, float, int]
+    state: ModuleState
