@@ -13,16 +13,14 @@ after it is complete. Three jobs share that one mechanism:
   gradient is folded as soon as autograd has accumulated it (``_fold_hooks``), so the sums and
   at most one bf16/fp16 gradient coexist (about 2x the parameter bytes, not 3x); not under
   AMP, rollback or ``torch.distributed``, which keep the fold at the micro-step's end.
-- **Rollback**: the micro-step in flight is separable; after an out-of-memory error or a
-  non-finite gradient, dropping ``.grad`` removes that micro-step alone and keeps every
-  finished one.
+- **Rollback**: the micro-step in flight is separable: after an out-of-memory error or a
+  non-finite gradient, dropping ``.grad`` removes it alone and keeps every finished one.
 
 At the boundary :meth:`WindowBuffer.close` merges the buffer and ``.grad`` into the window's
 gradient, in ``.grad``. Memory: one buffer tensor per buffered parameter, in
-``promote_types(param dtype, float32)`` (4 bytes per element for bf16/fp16/fp32 parameters, 8
-for float64), only while a window is open. Peak for a bf16 model under the default policy,
-gradients and sums together: 2x the parameter bytes plus its largest parameter's (``bench/
-memory_bf16.py``).
+``promote_types(param dtype, float32)``, only while a window is open. Peak for a bf16 model
+under the default policy, gradients and sums together: 2x the parameter bytes plus its
+largest parameter's (``bench/memory_bf16.py``).
 """
 
 from __future__ import annotations
@@ -76,14 +74,12 @@ class WindowBuffer:
     def __init__(
         self, policy: bool | None, buffer_all: bool, scaler: torch.amp.GradScaler | None
     ) -> None:
-        self.policy = policy
-        self.buffer_all = buffer_all
-        self.scaler = scaler
+        self.policy, self.buffer_all, self.scaler = policy, buffer_all, scaler
         self.sums: dict[Tensor, Tensor] = {}
         self._hooks = FoldHooks(self.fold_accumulated)
         self.reset()
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> bool:  # whether any sum is held
         return bool(self.sums)
 
     def reset(self) -> None:
@@ -386,7 +382,8 @@ class WindowBuffer:
         }
 
     def restore(self, window: dict[str, Any], params: list[Tensor]) -> None:
-        """Load :meth:`contents` (copied onto each parameter's device)."""
+        """Load :meth:`contents` (copied onto each parameter's device); under rollback the
+        finished micro-steps restored into ``.grad`` are folded in, apart from the next one."""
         with torch.no_grad():
             for i, b in window["buffer"].items():
                 self.sums[params[i]] = b.to(device=params[i].device, copy=True)
@@ -397,4 +394,6 @@ class WindowBuffer:
         self.found_inf = None if found is None else found.clone()
         self._forget_order()
         if not window["closed"]:  # the window has a finished micro-step
+            if self.buffer_all and not self.unfolded:  # saved by a wrapper without rollback
+                self.fold(params, None)
             self._start_folding(self.buffered_params(params))

@@ -251,3 +251,49 @@ def test_oom_anywhere_at_proven_sizes_keeps_full_batch_updates(
                 torch.testing.assert_close(mean, means[i], rtol=1e-12, atol=1e-12)
             assert acc.updates == w + 1 and acc.micro_step == 0
             assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("source", ["runner", "plain loop"])
+def test_a_window_resumed_into_a_runner_with_rollback_loses_nothing_to_an_oom(
+    source: str,
+) -> None:
+    """A window of 36 rows over batches of 12 is checkpointed while open, with its finished
+    micro-steps in .grad (a runner's window opened without the rollback buffer, or a plain
+    loop), and resumed in a fresh wrapper whose "auto" runner exists before the load (it
+    routes every parameter through the buffer): the restored micro-steps are moved into the
+    buffer, so the OOM that follows at once drops only its own micro-batch."""
+    torch.manual_seed(0)
+    x, y = torch.randn(48, 4, dtype=torch.float64), torch.randn(48, 3, dtype=torch.float64)
+    rows = [slice(i, i + 12) for i in range(0, 48, 12)]
+    ref, model = twins(mlp(3).double())
+    source_model = copy.deepcopy(model)
+
+    def build(net: nn.Module) -> tuple[Accumulate, MicroBatchRunner]:
+        acc = Accumulate(torch.optim.SGD(net.parameters(), lr=0.1), every_items=36)
+        return acc, MicroBatchRunner(acc, sum_loss(net), start_size=4)
+
+    if source == "plain loop":  # a wrapper without a runner: no rollback buffer
+        acc = Accumulate(torch.optim.SGD(source_model.parameters(), lr=0.1), every_items=36)
+        acc.backward(sum_loss(source_model)((x[rows[0]], y[rows[0]])), items=12)
+        acc.step()
+        acc.zero_grad()
+        resumed, windows = rows[1:3], [torch.arange(36)]
+    else:
+        acc, runner = build(source_model)
+        for r in rows:  # the first window closes at row 36; the second opens without rollback
+            runner((x[r], y[r]))
+        assert not acc._buffer.buffer_all
+        resumed, windows = rows[:2], [torch.arange(36), torch.arange(36, 72) % 48]
+    assert acc.micro_step > 0
+    saved, weights = copy.deepcopy(acc.state_dict()), copy.deepcopy(source_model.state_dict())
+    acc2, runner2 = build(model)  # its runner turns rollback on before the load
+    model.load_state_dict(weights)
+    acc2.load_state_dict(saved)
+    with simulate_oom(model, 3) as sim:
+        for r in resumed:
+            runner2((x[r], y[r]))
+    assert sim.raised and acc2.micro_step == 0 and acc2.updates == len(windows)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for window in windows:
+        full_batch_step(ref, opt, x[window], y[window])
+    assert_same_params(model, ref)
