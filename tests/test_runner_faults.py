@@ -200,13 +200,21 @@ def train(
     torch.manual_seed(7)
     for batch in batches:
         run(loss_fn, batch)
-    assert acc.updates == len(batches) and acc.micro_step == 0
+    rows = sum(len(x) for x, _ in batches)
+    assert acc.updates == rows // acc.every_items and acc.micro_step == 0  # windows of batches
     return state_of(model)
 
 
-def reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], sizes: list[int]) -> Any:
-    """The same training without any OOM: micro-batches of the given sizes, in order."""
-    acc = Accumulate(torch.optim.Adam(model.parameters(), lr=0.01), every_items=len(batches[0][0]))
+def reference(
+    model: nn.Module,
+    batches: list[tuple[Tensor, Tensor]],
+    sizes: list[int],
+    every_items: int | None = None,
+) -> Any:
+    """The same training without any OOM: micro-batches of the given sizes, in order, in
+    windows of ``every_items`` (default: one batch)."""
+    every_items = every_items or len(batches[0][0])
+    acc = Accumulate(torch.optim.Adam(model.parameters(), lr=0.01), every_items=every_items)
     acc.enable_rollback()  # the runner's accumulation path, for bitwise equality
     todo = iter(sizes)
 
