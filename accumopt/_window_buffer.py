@@ -387,7 +387,8 @@ class WindowBuffer:
         with torch.no_grad():
             for i, b in window["buffer"].items():
                 self.sums[params[i]] = b.to(device=params[i].device, copy=True)
-        self.buffer_all = self.buffer_all or bool(window.get("buffer_all", False))
+        routed = bool(window.get("buffer_all")) and self.policy is not False  # buffer=False: never
+        self.buffer_all = self.buffer_all or routed
         self._buffered = None
         self.unfolded = int(window.get("unfolded", 0))
         found = window["found_inf"]
