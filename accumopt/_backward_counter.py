@@ -92,6 +92,7 @@ class BackwardCounter:
         modules = sys.modules
         confirm = module is not None and confirm_accumulation
         accumulators = _Accumulators() if confirm else None
+        self.unhooked = Unhooked()
 
         # Closures built once: per backward pass they cost one Python call per hooked tensor
         # (a flag test) and two engine callbacks.
@@ -182,10 +183,11 @@ class BackwardCounter:
         """The module's forward hook: a counting hook on every output that requires grad."""
         # no reference to self: the module would keep the counter (and its hooks) alive
         hook, handles, hooked_leaves = self._hook, self._handles, self._hooked_leaves
-        grad_enabled = torch.is_grad_enabled
+        grad_enabled, unhooked = torch.is_grad_enabled, self.unhooked
 
         def on_forward(_: nn.Module, __: Any, output: Any) -> None:
-            if not grad_enabled():  # no graph, nothing to count (eval, no_grad)
+            # no graph, nothing to count (eval, no_grad); or a caller that counts itself
+            if unhooked.on or not grad_enabled():
                 return
             for leaf in (output,) if isinstance(output, Tensor) else pytree.tree_leaves(output):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
@@ -241,6 +243,24 @@ class BackwardCounter:
         self._hooked_leaves.clear()
         if self._accumulators is not None:
             self._accumulators.clear()
+
+
+class Unhooked:
+    """``with counter.unhooked:`` the module's forward calls inside hook none of their outputs:
+    the caller runs their backward pass itself and counts it (``MicroBatchRunner``, through
+    ``Accumulate._backward_here``), which spares the hook and the two engine callbacks per
+    pass. Without a module (counting at the parameters) it changes nothing."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __enter__(self) -> None:
+        self.on = True
+
+    def __exit__(self, *_: object) -> None:
+        self.on = False
 
 
 class _Accumulators:

@@ -115,13 +115,34 @@ class MicroStepIntake:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
             raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
 
+    def _backward_here(self, loss: Tensor, items: float) -> None:
+        """``backward(loss, items=items)`` for ``MicroBatchRunner``, which ran the forward pass
+        under ``_counter.unhooked``: the pass is counted here when it returns, not by the
+        counter's hooks and callbacks. Counting is paused while it runs (no hook the pass meets
+        queues a callback, a nested pass counts nothing), and a pass that dies leaves it paused
+        as the hooks would (reason ``""``: ``drop_micro_step()`` or ``discard()``)."""
+        weight = self._check_micro_step("backward", items)
+        self._counter.pause("")
+        self._pending_items = weight
+        try:
+            loss.backward()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._pending_items = None
+            raise
+        self._counter.pause("interrupted")
+        self._end_micro_step(rearm=True)
+
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner).
 
         Counting stays paused (reason ``"interrupted"``) until this bookkeeping is done: the
         counter's end-of-pass callback re-arms after it returns; ``backward()`` of a pass that
         reached nothing (armed on entry) re-arms here."""
-        armed = self._counter.pause("interrupted")
+        self._end_micro_step(rearm=self._counter.pause("interrupted"))
+
+    def _end_micro_step(self, rearm: bool) -> None:
+        """Count the micro-step whose backward pass ended, counting paused meanwhile; re-arm it
+        after, if ``rearm``."""
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
         refusal = self._window.refusal(items is not None)
         if refusal is not None:
@@ -132,7 +153,7 @@ class MicroStepIntake:
             self._deferred = (items,)
         else:
             self._count(items)
-        if armed:
+        if rearm:
             self._counter.rearm()
 
     def _transaction(self, body: Callable[[], Any]) -> Any:

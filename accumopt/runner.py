@@ -88,7 +88,8 @@ class MicroBatchRunner:
             a one-element tensor, or ``(loss, items, outputs)`` with per-row ``outputs`` (a
             tensor or nesting of tensors, concatenated when ``return_outputs=True``). A result
             that breaks these rules is refused before the micro-batch's backward pass: the
-            wrapper counts nothing for it.
+            wrapper counts nothing for it. The runner runs and counts that backward pass; a
+            backward pass of ``loss_fn``'s own adds to the micro-batch's gradient unweighted.
         micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
             ``start_size`` (default: the whole batch) and find the largest size that fits.
         device: where micro-batches run (None: leave tensors where they are). Host tensors
@@ -233,8 +234,7 @@ class MicroBatchRunner:
         Other errors of ``loss_fn`` or of the backward pass propagate unchanged. With
         ``"auto"``, any error leaves the buffers and generators as they were before the
         micro-batch that raised it; in a window run without the rollback buffer (see the
-        class), as they were when that window opened, and the window is dropped
-        (``opt.discard()``): the wrapper is as it was then.
+        class), as they were when that window opened, and the window is dropped too.
         """
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         scaler = self.optimizer.scaler
@@ -263,11 +263,13 @@ class MicroBatchRunner:
         offset = 0
         opened: Opened | None = None
         opt = self.optimizer
+        # windows without the buffer: one process (ranks agree per micro-batch), no GradScaler
+        may_open = self._ranks is None and scaler is None
         while offset < n:
             size, proven = self._propose(key, n - offset)
             if opened is not None and not proven:  # a larger size is probed: from here on
                 opened = None  # each micro-batch is rolled back alone
-            elif opened is None and proven and self._may_open(scaler) and opt._rollback_off():
+            elif opened is None and proven and may_open and opt._rollback_off():
                 opened = Opened(offset, totals.mark(), self._snapshot())
             if opened is None and not opt._buffer.buffer_all:  # the open window is folded
                 opt.enable_rollback()
@@ -308,11 +310,6 @@ class MicroBatchRunner:
             if opened is not None and opt._window.micro_step == 0:  # the window was applied
                 opened = None
 
-    def _may_open(self, scaler: Scaler) -> bool:
-        """Whether a window may run without the rollback buffer: one process (the ranks'
-        outcomes are agreed per micro-batch), no GradScaler (its scale moves per micro-batch)."""
-        return self._ranks is None and scaler is None
-
     def _undo(self, state: ModuleState | None, opened: Opened | None, offset: int) -> None:
         """After a failed attempt at row ``offset``: restore what it changed (``state``), or
         drop the window opened without the rollback buffer and restore what it changed since
@@ -349,7 +346,10 @@ class MicroBatchRunner:
     def _forward_backward(
         self, piece: Any, rows: int, first_out: Any, scaler: Scaler
     ) -> tuple[Tensor, float, Any]:
-        loss, items, out = parse(self.loss_fn(piece), rows)
+        opt = self.optimizer
+        with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
+            result = self.loss_fn(piece)
+        loss, items, out = parse(result, rows)
         if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
             raise ValueError(  # before the backward pass: this micro-batch is not counted
                 "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
@@ -360,11 +360,11 @@ class MicroBatchRunner:
             if items == 0:
                 # a mean over no item is 0/0, whose gradient is NaN; its sum is 0: backpropagate
                 # an exact zero through the parameters instead (every gradient written, as 0)
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                params = [p for g in opt.param_groups for p in g["params"]]
                 loss = sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
             else:
                 loss = loss * items
-        self.optimizer.backward(loss if scaler is None else scaler.scale(loss), items=items)
+        opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
         return loss.detach(), items, out
 
     def _step(self, scaler: Scaler) -> None:

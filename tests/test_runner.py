@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -295,3 +296,75 @@ def test_search_does_not_grow_past_the_batch_without_failures() -> None:
         runner(torch.randn(8, 2))
     assert runner.micro_batch_size == 8 and runner.ooms == 0
     assert [size for _, size, _ in runner.history] == [2, 4, 8]
+
+
+def float64_full_batch(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """A float64 copy of ``model`` after one SGD step (lr 0.1) on the mean loss of ``x``."""
+    ref = copy.deepcopy(model).double()
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x.double(), y.double())
+    return ref
+
+
+@pytest.mark.parametrize("count_at", ["outputs", "parameters"])
+def test_the_runner_counts_its_own_backward_passes_without_the_hooks(count_at: str) -> None:
+    """The runner runs and counts each micro-batch's backward pass itself: the model's outputs
+    inside ``loss_fn`` carry no counting hook (counting at the outputs), the parameter hooks
+    queue nothing (counting paused while the pass runs), and each pass counts exactly once."""
+    model = mlp(81).double()
+    x, y = data(81, 10)
+    x, y = x.double(), y.double()
+    ref = float64_full_batch(model, x, y)
+    given = model if count_at == "outputs" else None
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10, model=given)
+    hooks = []
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = model(batch[0])
+        hooks.append(out._backward_hooks)
+        return ((out - batch[1]) ** 2).sum()
+
+    MicroBatchRunner(acc, loss_fn, micro_batch_size=3)((x, y))
+    assert hooks == [None] * 4 and acc.updates == 1
+    assert_same_params(model, ref, rtol=1e-12)
+    # outside the runner the wrapper counts with its hooks as before
+    acc.backward(loss_fn((x, y)), items=10)
+    assert acc.micro_step == 1 and hooks[-1] is not None if given else acc.micro_step == 1
+
+
+@pytest.mark.parametrize("count_at", ["outputs", "parameters"])
+def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(count_at: str) -> None:
+    """A micro-batch whose backward pass dies part-way (here after the last layer's gradient
+    was accumulated) is not counted, and the wrapper refuses to go on until ``discard()``;
+    then it trains exactly again."""
+    model = mlp(82).double()
+    x, y = data(82, 8)
+    x, y = x.double(), y.double()
+    given = model if count_at == "outputs" else None
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=given)
+    calls = [0]
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in the backward pass")
+
+    def arm(_: nn.Module, __: object, hidden: torch.Tensor) -> None:
+        if calls[0] == 2:  # reached after model[2]'s gradient is accumulated
+            hidden.register_hook(boom)
+
+    model[0].register_forward_hook(arm)
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls[0] += 1
+        return ((model(batch[0]) - batch[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        runner((x, y))
+    assert acc.micro_step == 1 and model[2].weight.grad is not None
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        runner((x, y))
+    assert acc.micro_step == 1 and calls[0] == 3  # refused before its backward pass
+    acc.discard()
+    ref = float64_full_batch(model, x, y)
+    runner((x, y))
+    assert acc.updates == 1
+    assert_same_params(model, ref, rtol=1e-12)
