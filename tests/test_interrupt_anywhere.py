@@ -19,9 +19,10 @@ torch's own code between the update and its hooks has the same gap.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -121,14 +122,26 @@ def build(buffer: bool | None, clip: float | None) -> tuple[Accumulate, torch.nn
     return opt, model
 
 
+@contextlib.contextmanager
+def traced(interrupt: Interrupt) -> Iterator[None]:
+    """Trace accumopt's lines with ``interrupt``, garbage collection off: a finalizer of an
+    earlier test's wrapper (``BackwardCounter``'s hook removal) run by the collector inside
+    the loop would take the interrupt, which then never reaches the loop."""
+    gc.collect()
+    gc.disable()
+    sys.settrace(interrupt.calls)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        gc.enable()
+
+
 def lines_executed(buffer: bool | None, clip: float | None) -> int:
     opt, model = build(buffer, clip)
     counter = Interrupt(at=0)
-    sys.settrace(counter.calls)
-    try:
+    with traced(counter):
         train(opt, model)
-    finally:
-        sys.settrace(None)
     return counter.lines
 
 
@@ -142,11 +155,8 @@ def test_a_keyboard_interrupt_at_any_line_leaves_every_update_exact(
     for at in range(1 + (buffer is True), total + 1, 5):  # every 5th line, offset per setting
         opt, model = build(buffer, clip)
         interrupt = Interrupt(at)
-        sys.settrace(interrupt.calls)
-        try:
+        with traced(interrupt):
             applied = train(opt, model)
-        finally:
-            sys.settrace(None)
         tried, reached = tried + 1, reached + bool(interrupt.where)
         if any(not window for window in applied):
             wrong.append((interrupt.where, "an update of no counted micro-batch"))
