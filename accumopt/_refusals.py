@@ -145,8 +145,8 @@ def paused_message(api: str, reason: str = "") -> str:
             "model itself is supported. Nothing was changed by this call."
         )
     return (
-        f"Accumulate.{api}: an earlier backward pass failed part-way (say, out of "
-        "memory) and its partial gradient is still in .grad; expected opt.discard() "
+        f"Accumulate.{api}: an earlier backward pass failed part-way (an OOM, say) and "
+        "its partial gradient is still in .grad; expected opt.discard() "
         "(drops the window) or, with the window buffer, opt.drop_micro_step() (drops "
         "that micro-step alone) first. Nothing was changed by this call."
     )

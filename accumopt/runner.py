@@ -88,8 +88,8 @@ class MicroBatchRunner:
             a one-element tensor, or ``(loss, items, outputs)`` with per-row ``outputs`` (a
             tensor or nesting of tensors, concatenated when ``return_outputs=True``). A result
             that breaks these rules is refused before the micro-batch's backward pass: the
-            wrapper counts nothing for it. The runner runs and counts that backward pass; a
-            backward pass of ``loss_fn``'s own adds to the micro-batch's gradient unweighted.
+            wrapper counts nothing for it. The runner runs and counts that backward pass;
+            ``loss_fn`` runs none itself (README: "The runner's backward passes").
         micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
             ``start_size`` (default: the whole batch) and find the largest size that fits.
         device: where micro-batches run (None: leave tensors where they are). Host tensors

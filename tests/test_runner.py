@@ -368,3 +368,30 @@ def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(count
     runner((x, y))
     assert acc.updates == 1
     assert_same_params(model, ref, rtol=1e-12)
+
+
+def test_a_paused_wrapper_is_not_taken_for_an_out_of_memory_error_by_the_auto_runner() -> None:
+    """The wrapper's refusal after a backward pass that failed part-way propagates from the
+    "auto" runner as it is: no fake OOM, no rollback of its own, no size change."""
+    model = mlp(83)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=16)
+    fail = [True]
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in the backward pass")
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden = model[0](batch[0])
+        if fail[0]:
+            hidden.register_hook(boom)
+        return ((model[2](model[1](hidden)) - batch[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(acc, loss_fn)
+    x, y = data(83, 16)
+    with pytest.raises(RuntimeError, match="boom"):
+        runner((x, y))
+    fail[0] = False
+    history = runner.history
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        runner((x, y))
+    assert runner.ooms == 0 and runner.history == history and acc.micro_step == 0
