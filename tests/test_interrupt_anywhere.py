@@ -127,7 +127,6 @@ def traced(interrupt: Interrupt) -> Iterator[None]:
     """Trace accumopt's lines with ``interrupt``, garbage collection off: a finalizer of an
     earlier test's wrapper (``BackwardCounter``'s hook removal) run by the collector inside
     the loop would take the interrupt, which then never reaches the loop."""
-    gc.collect()
     gc.disable()
     sys.settrace(interrupt.calls)
     try:
