@@ -64,6 +64,10 @@ class BackwardCounter:
             (FSDP2, whose sharded parameters are not in the graph) counts every pass through
             the outputs, ``torch.autograd.grad`` included.
 
+    Attributes:
+        unhooked: ``with counter.unhooked:`` the module's forward calls hook no output (see
+            :class:`Unhooked`).
+
     Caveat:
         Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
         runs nested backward passes inside the outer one. They count as part of it once a
@@ -260,7 +264,7 @@ class Unhooked:
         self.on = True
 
     def __exit__(self, *_: object) -> None:
-        self.on = False
+        self.on = False  # not nested: the runner enters it once per micro-batch
 
 
 class _Accumulators:

@@ -4,8 +4,9 @@ A backward pass ends (``BackwardCounter`` calls :meth:`MicroStepIntake._on_backw
 checked (non-finite policies, the window's refusals), and is counted into the window, which may
 close it; or it is dropped alone (rollback). ``opt.backward(loss, items=n)`` and
 ``opt.next_items(n)`` give a pass its item count. The runner's package-internal interface
-(deferred counting, agreed across ranks) lives here too. :class:`MicroStepIntake` is a mixin
-of ``accumopt.accumulate.AccumulatingOptimizer``, which owns every attribute it uses.
+(its own backward passes, deferred counting agreed across ranks) lives here too.
+:class:`MicroStepIntake` is a mixin of ``accumopt.accumulate.AccumulatingOptimizer``, which
+owns every attribute it uses.
 """
 
 from __future__ import annotations
@@ -116,21 +117,22 @@ class MicroStepIntake:
             raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
 
     def _backward_here(self, loss: Tensor, items: float) -> None:
-        """``backward(loss, items=items)`` for ``MicroBatchRunner``, which ran the forward pass
-        under ``_counter.unhooked``: the pass is counted here when it returns, not by the
-        counter's hooks and callbacks. Counting is paused while it runs (no hook the pass meets
-        queues a callback, a nested pass counts nothing), and a pass that dies leaves it paused
-        as the hooks would (reason ``""``: ``drop_micro_step()`` or ``discard()``)."""
+        """``MicroBatchRunner``'s backward pass of a micro-batch whose forward pass ran under
+        ``_counter.unhooked`` (``loss``: checked by the runner; ``items``: its count; no
+        ``Tensor.backward`` options): counted here when it returns, not by the counter's hooks
+        and callbacks. Counting is paused while it runs (no hook the pass meets queues a
+        callback, a nested pass counts nothing). A pass that dies, wherever it dies (before
+        any gradient was written too, where the hooks would not have paused), leaves counting
+        paused (reason ``""``) until ``drop_micro_step()`` or ``discard()``."""
         weight = self._check_micro_step("backward", items)
         self._counter.pause("")
         self._pending_items = weight
         try:
             loss.backward()  # type: ignore[no-untyped-call]
-        except BaseException:
+            self._counter.pause("interrupted")
+            self._end_micro_step(rearm=True)
+        finally:
             self._pending_items = None
-            raise
-        self._counter.pause("interrupted")
-        self._end_micro_step(rearm=True)
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner).

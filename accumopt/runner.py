@@ -89,7 +89,7 @@ class MicroBatchRunner:
             tensor or nesting of tensors, concatenated when ``return_outputs=True``). A result
             that breaks these rules is refused before the micro-batch's backward pass: the
             wrapper counts nothing for it. The runner runs and counts that backward pass;
-            ``loss_fn`` runs none itself (README: "The runner's backward passes").
+            ``loss_fn`` must run none itself (README: "The runner's backward passes").
         micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
             ``start_size`` (default: the whole batch) and find the largest size that fits.
         device: where micro-batches run (None: leave tensors where they are). Host tensors
@@ -236,6 +236,7 @@ class MicroBatchRunner:
         micro-batch that raised it; in a window run without the rollback buffer (see the
         class), as they were when that window opened, and the window is dropped too.
         """
+        self.optimizer._check_not_paused("backward")  # a refusal here is no OOM of an attempt
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -311,9 +312,8 @@ class MicroBatchRunner:
                 opened = None
 
     def _undo(self, state: ModuleState | None, opened: Opened | None, offset: int) -> None:
-        """After a failed attempt at row ``offset``: restore what it changed (``state``), or
-        drop the window opened without the rollback buffer and restore what it changed since
-        it opened."""
+        """After a failed attempt at row ``offset``: restore what it changed (``state``), or drop
+        the window opened without the rollback buffer and restore what changed since then."""
         if opened is None:
             assert state is not None
             state.restore()

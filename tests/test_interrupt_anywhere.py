@@ -127,13 +127,15 @@ def traced(interrupt: Interrupt) -> Iterator[None]:
     """Trace accumopt's lines with ``interrupt``, garbage collection off: a finalizer of an
     earlier test's wrapper (``BackwardCounter``'s hook removal) run by the collector inside
     the loop would take the interrupt, which then never reaches the loop."""
+    enabled = gc.isenabled()
     gc.disable()
     sys.settrace(interrupt.calls)
     try:
         yield
     finally:
         sys.settrace(None)
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def lines_executed(buffer: bool | None, clip: float | None) -> int:

@@ -328,14 +328,19 @@ def test_the_runner_counts_its_own_backward_passes_without_the_hooks(count_at: s
     assert_same_params(model, ref, rtol=1e-12)
     # outside the runner the wrapper counts with its hooks as before
     acc.backward(loss_fn((x, y)), items=10)
-    assert acc.micro_step == 1 and hooks[-1] is not None if given else acc.micro_step == 1
+    assert acc.micro_step == 1
+    if given is not None:
+        assert hooks[-1] is not None
 
 
+@pytest.mark.parametrize("where", ["hidden", "loss"])
 @pytest.mark.parametrize("count_at", ["outputs", "parameters"])
-def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(count_at: str) -> None:
-    """A micro-batch whose backward pass dies part-way (here after the last layer's gradient
-    was accumulated) is not counted, and the wrapper refuses to go on until ``discard()``;
-    then it trains exactly again."""
+def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(
+    count_at: str, where: str
+) -> None:
+    """A micro-batch whose backward pass dies part-way (at the hidden layer: after the last
+    layer's gradient was accumulated) or before any gradient was written (at the loss) is not
+    counted, and the wrapper refuses to go on until ``discard()``; then it trains exactly."""
     model = mlp(82).double()
     x, y = data(82, 8)
     x, y = x.double(), y.double()
@@ -347,22 +352,30 @@ def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(count
         raise RuntimeError("boom in the backward pass")
 
     def arm(_: nn.Module, __: object, hidden: torch.Tensor) -> None:
-        if calls[0] == 2:  # reached after model[2]'s gradient is accumulated
+        if calls[0] == 2 and where == "hidden":  # after model[2]'s gradient is accumulated
             hidden.register_hook(boom)
 
-    model[0].register_forward_hook(arm)
+    armed = model[0].register_forward_hook(arm)
+    first: list[torch.Tensor] = []  # model[2]'s gradient after the first micro-batch
 
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         calls[0] += 1
-        return ((model(batch[0]) - batch[1]) ** 2).sum()
+        loss = ((model(batch[0]) - batch[1]) ** 2).sum()
+        if calls[0] == 2:
+            first.append(model[2].weight.grad.clone())
+            if where == "loss":
+                loss.register_hook(boom)
+        return loss
 
     runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
     with pytest.raises(RuntimeError, match="boom"):
         runner((x, y))
-    assert acc.micro_step == 1 and model[2].weight.grad is not None
+    written = not torch.equal(model[2].weight.grad, first[0])
+    assert acc.micro_step == 1 and written == (where == "hidden")
     with pytest.raises(RuntimeError, match="failed part-way"):
         runner((x, y))
-    assert acc.micro_step == 1 and calls[0] == 3  # refused before its backward pass
+    assert acc.micro_step == 1 and calls[0] == 2  # refused before its loss_fn
+    armed.remove()
     acc.discard()
     ref = float64_full_batch(model, x, y)
     runner((x, y))
