@@ -220,8 +220,8 @@ class MicroBatchRunner:
             the micro-batch losses over the sum of their items), or ``(mean_loss, outputs)``.
 
         Raises:
-            NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory
-                (the message gives the device's memory figures).
+            RuntimeError: the wrapper refuses (a failed pass not dropped: ``opt.discard()``).
+            NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory.
             TypeError: ``loss_fn`` returned something other than a loss tensor, ``(loss,
                 items)`` or ``(loss, items, outputs)``, or a loss that is not a tensor.
             ValueError: the batch is empty or its tensor leaves disagree on dim 0; ``loss_fn``
@@ -236,7 +236,7 @@ class MicroBatchRunner:
         micro-batch that raised it; in a window run without the rollback buffer (see the
         class), as they were when that window opened, and the window is dropped too.
         """
-        self.optimizer._check_not_paused("backward")  # a refusal here is no OOM of an attempt
+        self.optimizer._check_not_paused("backward")  # outside the attempts: no OOM of one
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
