@@ -298,10 +298,10 @@ def test_search_does_not_grow_past_the_batch_without_failures() -> None:
     assert [size for _, size, _ in runner.history] == [2, 4, 8]
 
 
-def float64_full_batch(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
-    """A float64 copy of ``model`` after one SGD step (lr 0.1) on the mean loss of ``x``."""
-    ref = copy.deepcopy(model).double()
-    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x.double(), y.double())
+def stepped_copy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """A copy of ``model`` after one plain SGD step (lr 0.1) on the mean loss of ``x``."""
+    ref = copy.deepcopy(model)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
     return ref
 
 
@@ -313,7 +313,7 @@ def test_the_runner_counts_its_own_backward_passes_without_the_hooks(count_at: s
     model = mlp(81).double()
     x, y = data(81, 10)
     x, y = x.double(), y.double()
-    ref = float64_full_batch(model, x, y)
+    ref = stepped_copy(model, x, y)
     given = model if count_at == "outputs" else None
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10, model=given)
     hooks = []
@@ -377,7 +377,7 @@ def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(
     assert acc.micro_step == 1 and calls[0] == 2  # refused before its loss_fn
     armed.remove()
     acc.discard()
-    ref = float64_full_batch(model, x, y)
+    ref = stepped_copy(model, x, y)
     runner((x, y))
     assert acc.updates == 1
     assert_same_params(model, ref, rtol=1e-12)
