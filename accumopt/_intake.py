@@ -123,13 +123,30 @@ class MicroStepIntake:
         and callbacks. Counting is paused while it runs (no hook the pass meets queues a
         callback, a nested pass counts nothing). A pass that dies, wherever it dies (before
         any gradient was written too, where the hooks would not have paused), leaves counting
-        paused (reason ``""``) until ``drop_micro_step()`` or ``discard()``."""
-        weight = self._check_micro_step("backward", items)
-        self._counter.pause("")
+        paused (reason ``""``) until ``drop_micro_step()`` or ``discard()``.
+
+        After the window's first micro-step, a micro-step that none of the refusals of
+        :meth:`_check_micro_step` can concern (no count waiting, a weighted window that is
+        open, sized and not paused: ``items`` was checked by the runner) skips that check, and
+        with it the check that items are not counted by one rank of several without a
+        DDP/FSDP2 model, which the window's first micro-step made."""
+        window, counter = self._window, self._counter
+        if (  # the usual micro-step: none of _check_micro_step's refusals can apply
+            self._pending_items is None
+            and window.micro_step
+            and window.weighted
+            and not window.closed
+            and window.size_error is None
+            and counter._armed[0]
+        ):
+            weight: float | None = items
+        else:  # the window's first micro-step, or a refusal
+            weight = self._check_micro_step("backward", items)
+        counter.pause("")
         self._pending_items = weight
         try:
             loss.backward()  # type: ignore[no-untyped-call]
-            self._counter.pause("interrupted")
+            counter.pause("interrupted")
             self._end_micro_step(rearm=True)
         finally:
             self._pending_items = None

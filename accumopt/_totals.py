@@ -47,9 +47,14 @@ class Totals:
 
     def result(self) -> Any:
         """The mean loss (0-dim, detached), or ``(mean, outputs)`` with ``return_outputs``."""
-        total = self.losses[0]  # n >= 1 rows: at least one micro-batch
-        for loss in self.losses[1:]:
-            total = total + loss
+        losses = self.losses  # n >= 1 rows: at least one micro-batch
+        shape = losses[0].shape
+        if len(losses) > 1 and all(loss.shape == shape for loss in losses):
+            total = torch.stack(losses).sum()  # two dispatches, not one per micro-batch
+        else:  # one-element losses of other shapes ((), (1,), ...) broadcast
+            total = losses[0]
+            for loss in losses[1:]:
+                total = total + loss
         mean = total / self.items if self.items > 0 else torch.zeros_like(total)
         if not self.keep:
             return mean

@@ -195,17 +195,26 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._step_inside_window():
+            return loss
         if any_step_hooks(self):
             self._profiled_step()
-            return loss
-        window = self._window
-        amp = "found_inf" in self.__dict__
-        slow = window.closed or window.stepped or self._drop_at_step
-        if slow or amp or self._counter.paused or self._thread != get_ident():
+        else:
             self._step()
-            return loss
-        window.stepped, self.did_update = True, False  # a plain micro-step inside the window
         return loss
+
+    def _step_inside_window(self) -> bool:
+        """``step()`` after a plain micro-step inside the window: mark it stepped, and return
+        True; False (nothing done) where step() has more to do: a boundary, step hooks, AMP, a
+        micro-step to drop, a paused counter, another thread, no backward pass since."""
+        window = self._window
+        slow = window.closed or window.stepped or self._drop_at_step or any_step_hooks(self)
+        if slow or "found_inf" in self.__dict__ or not self._counter._armed[0]:
+            return False
+        if self._thread != get_ident():
+            return False
+        window.stepped, self.did_update = True, False
+        return True
 
     # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above);
     # an LR scheduler replacing step on the instance is recorded (_guards.StepSlot)

@@ -275,8 +275,7 @@ class MicroBatchRunner:
             if opened is None and not opt._buffer.buffer_all:  # the open window is folded
                 opt.enable_rollback()
             state = self._snapshot() if opened is None else None
-            failure = None
-            result = None
+            failure, result = None, None
             try:
                 piece = rows_of(offset, offset + size)
                 result = self._forward_backward(piece, size, totals.first, scaler)
@@ -346,10 +345,8 @@ class MicroBatchRunner:
     def _forward_backward(
         self, piece: Any, rows: int, first_out: Any, scaler: Scaler
     ) -> tuple[Tensor, float, Any]:
-        opt = self.optimizer
-        with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
-            result = self.loss_fn(piece)
-        loss, items, out = parse(result, rows)
+        opt = self.optimizer  # it runs and counts the backward pass itself (_backward_here)
+        loss, items, out = parse(opt._counter.unhooked.run(self.loss_fn, piece), rows)
         if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
             raise ValueError(  # before the backward pass: this micro-batch is not counted
                 "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
@@ -368,12 +365,15 @@ class MicroBatchRunner:
         return loss.detach(), items, out
 
     def _step(self, scaler: Scaler) -> None:
-        if scaler is None:
-            self.optimizer.step()
-        else:
-            scaler.step(self.optimizer)
+        opt = self.optimizer
+        if scaler is not None:
+            scaler.step(opt)
             scaler.update()
-        self.optimizer.zero_grad()
+        elif opt._step_inside_window():  # all that step() and zero_grad() do inside the window
+            return
+        else:
+            opt.step()
+        opt.zero_grad()
 
     def _snapshot(self) -> ModuleState:
         """What the coming ``"auto"`` attempt may change outside the gradients."""

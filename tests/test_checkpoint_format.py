@@ -4,7 +4,10 @@
 ``"version": 1``): a float64 MLP, ``Accumulate(AdamW(lr=0.1), every=4)`` (and ``buffer=True``)
 fed weighted micro-batches of 3, 1, 2 and 4 rows; one full window, then two micro-steps of the
 second, saved mid-window. ``"expected"`` holds the parameters 0.1.0 reached after finishing that
-window, so a resumed run must reproduce them bit for bit.
+window, so a resumed run must reproduce them: to within 4 float64 ulps (2 ulps apart on
+2026-12-02, on a machine with other vector kernels than the one that wrote them: AVX-512
+against AVX2, another reduction order). A lost or repeated micro-step, or a window divided by
+another count, moves them by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def _model() -> nn.Module:
     ("name", "buffer"),
     [("checkpoint_format1.pt", None), ("checkpoint_format1_buffer.pt", True)],
 )
-def test_a_format_1_checkpoint_resumes_mid_window_bit_for_bit(
+def test_a_format_1_checkpoint_resumes_mid_window_to_the_last_ulps(
     name: str, buffer: bool | None
 ) -> None:
     ckpt = torch.load(DATA / name, weights_only=False)
@@ -49,7 +52,8 @@ def test_a_format_1_checkpoint_resumes_mid_window_bit_for_bit(
         opt.zero_grad()
     assert opt.did_update and opt.updates == 2
     for key, value in model.state_dict().items():
-        assert torch.equal(value, ckpt["expected"][key]), key
+        eps = torch.finfo(value.dtype).eps
+        torch.testing.assert_close(value, ckpt["expected"][key], rtol=4 * eps, atol=4 * eps)
 
 
 def test_state_dict_writes_the_current_format_number() -> None:
