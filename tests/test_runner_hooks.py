@@ -229,3 +229,28 @@ def test_the_runner_does_not_step_the_wrapper_inside_the_window_but_runs_step_ho
     MicroBatchRunner(acc, summed(model, []), micro_batch_size=2)(batch)
     assert pre == [1, 2, 3, 4] and acc.updates == 1 and acc.did_update
     assert_same_params(model, ref, rtol=1e-12)
+
+
+def test_a_model_compiled_inside_a_larger_module_trains_exactly_by_runner_and_plain_loop() -> None:
+    """The counted model runs inside a compiled outer module (Dynamo guards on its hooks):
+    the runner's calls, with the hook lifted, and a plain loop's, with it in place, each get
+    compiled code of their own, and every update equals the float64 full-batch one."""
+    model, acc, (x, y), _ = setup(97, 8)
+    ref = mlp(97).double()
+    compiled = torch.compile(nn.Sequential(model, nn.Identity()), backend="eager")
+    runner = MicroBatchRunner(
+        acc, lambda b: ((compiled(b[0]) - b[1]) ** 2).sum(), micro_batch_size=3
+    )
+    reference = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        if step % 2:
+            acc.backward(((compiled(x) - y) ** 2).sum(), items=8)
+            acc.step()
+            acc.zero_grad()
+        else:
+            runner((x, y))
+        reference.zero_grad()
+        (((ref(x) - y) ** 2).sum() / 8).backward()
+        reference.step()
+        assert acc.updates == step + 1
+        assert_same_params(model, ref, rtol=1e-12)
