@@ -41,8 +41,6 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from accumopt._unhooked import Unhooked
-
 
 class BackwardCounter:
     """Call ``on_end()`` once at the end of each backward pass that accumulates gradients into
@@ -67,8 +65,8 @@ class BackwardCounter:
             the outputs, ``torch.autograd.grad`` included.
 
     Attributes:
-        unhooked: between ``counter.unhooked.enter()`` and ``exit()`` the module's forward
-            calls hook no output (see :class:`Unhooked`).
+        unhooked: ``with counter.unhooked:`` the module's forward calls hook no output (see
+            :class:`Unhooked`).
 
     Caveat:
         Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
@@ -98,7 +96,7 @@ class BackwardCounter:
         modules = sys.modules
         confirm = module is not None and confirm_accumulation
         accumulators = _Accumulators() if confirm else None
-        self.unhooked = Unhooked(module)
+        self.unhooked = Unhooked()
 
         # Closures built once: per backward pass they cost one Python call per hooked tensor
         # (a flag test) and two engine callbacks.
@@ -159,7 +157,6 @@ class BackwardCounter:
         weakref.finalize(self, _remove_all, self._handles)
         if module is not None:
             self._handles.append(module.register_forward_hook(self._on_forward()))
-            self.unhooked.watch(self._handles[-1])
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Count backward passes into every parameter of ``params`` that requires grad
@@ -250,6 +247,24 @@ class BackwardCounter:
         self._hooked_leaves.clear()
         if self._accumulators is not None:
             self._accumulators.clear()
+
+
+class Unhooked:
+    """``with counter.unhooked:`` the module's forward calls inside hook none of their outputs:
+    the caller runs their backward pass itself and counts it (``MicroBatchRunner``, through
+    ``Accumulate._backward_here``), which spares the hook and the two engine callbacks per
+    pass. Without a module (counting at the parameters) it changes nothing."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __enter__(self) -> None:
+        self.on = True
+
+    def __exit__(self, *_: object) -> None:
+        self.on = False  # not nested: the runner enters it once per micro-batch
 
 
 class _Accumulators:

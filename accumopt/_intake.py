@@ -12,7 +12,8 @@ owns every attribute it uses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -125,11 +126,11 @@ class MicroStepIntake:
         any gradient was written too, where the hooks would not have paused), leaves counting
         paused (reason ``""``) until ``drop_micro_step()`` or ``discard()``.
 
-        After the window's first micro-step, a micro-step that none of the refusals of
-        :meth:`_check_micro_step` can concern (no count waiting, a weighted window that is
-        open, sized and not paused: ``items`` was checked by the runner) skips that check, and
-        with it the check that items are not counted by one rank of several without a
-        DDP/FSDP2 model, which the window's first micro-step made."""
+        After the window's first micro-step, a micro-step that none of the window's refusals
+        can concern (no count waiting, a weighted window that is open, sized and not paused:
+        ``items`` was checked by the runner) skips :meth:`_check_micro_step` but for the check
+        that items are not counted by one rank of several without a DDP/FSDP2 model (a window
+        restored from a checkpoint, or a process group set up since, may not have made it)."""
         window, counter = self._window, self._counter
         if (  # the usual micro-step: none of _check_micro_step's refusals can apply
             self._pending_items is None
@@ -139,6 +140,7 @@ class MicroStepIntake:
             and window.size_error is None
             and counter._armed[0]
         ):
+            self._sync.check_weighted()
             weight: float | None = items
         else:  # the window's first micro-step, or a refusal
             weight = self._check_micro_step("backward", items)
@@ -267,10 +269,16 @@ class MicroStepIntake:
         """The cross-rank synchronisation (None in a single process)."""
         return self._sync if isinstance(self._sync, GradSync) else None
 
-    def _defer_counting(self) -> None:
-        """Keep each finished micro-step uncounted until :meth:`_commit_deferred` (or
-        :meth:`drop_micro_step`)."""
-        self._defer = True
+    @contextmanager
+    def _counting_deferred(self, on: bool) -> Iterator[None]:
+        """While the block runs (if ``on``), keep each finished micro-step uncounted until
+        :meth:`_commit_deferred` (or :meth:`drop_micro_step`); after it, micro-steps are
+        counted as they end again (a plain loop between two runner calls)."""
+        self._defer = on
+        try:
+            yield
+        finally:
+            self._defer = False
 
     def _commit_deferred(self) -> None:
         """Count the micro-step kept back since its backward pass ended (if any)."""

@@ -3,6 +3,7 @@ pass: a result that cannot be counted is refused there, and the wrapper counts n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
@@ -46,6 +47,16 @@ def parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
             + NOT_TRAINED
         )
     return loss, items, out
+
+
+def summed(loss: Tensor, items: float, params: Iterable[Tensor]) -> Tensor:
+    """The summed loss of a micro-batch whose ``loss_fn`` returned the mean over its ``items``
+    (``loss_reduction="mean"``): ``loss * items``. A mean over no item is 0/0, whose gradient
+    is NaN, while its sum is 0: then an exact zero is backpropagated through ``params``
+    instead (every gradient written, as 0)."""
+    if items == 0:
+        return sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
+    return loss * items
 
 
 def _count(items: object) -> float:

@@ -50,7 +50,7 @@ class Totals:
         losses = self.losses  # n >= 1 rows: at least one micro-batch
         shape = losses[0].shape
         if len(losses) > 1 and all(loss.shape == shape for loss in losses):
-            total = torch.stack(losses).sum()  # two dispatches, not one per micro-batch
+            total = torch.stack(losses).sum(0)  # two dispatches, not one per micro-batch
         else:  # one-element losses of other shapes ((), (1,), ...) broadcast
             total = losses[0]
             for loss in losses[1:]:

@@ -1,13 +1,7 @@
-"""Run one large batch as micro-batches through an ``Accumulate`` wrapper, surviving OOM.
-
-``MicroBatchRunner(opt, loss_fn, micro_batch_size="auto")`` takes a batch that may be far larger
-than the device holds (it may stay in host memory), cuts it into micro-batches, moves each to
-the device only when it runs, and does forward and backward per micro-batch with exact item
-weights; the wrapper decides when the optimizer really steps. With ``"auto"`` it finds the
-largest micro-batch that fits from out-of-memory errors, during training: a micro-batch that
-runs out of memory is rolled back alone (finished ones stay in the wrapper's window buffer)
-or, in a window run at a size that fitted before (no buffer), the window starts again; either
-way it is retried smaller, and no sample is lost or counted twice.
+"""Run one large batch as micro-batches through an ``Accumulate`` wrapper, surviving OOM:
+:class:`MicroBatchRunner` cuts the batch (which may stay in host memory) into micro-batches,
+runs forward and backward per micro-batch with exact item weights and, with ``"auto"``, finds
+the largest micro-batch that fits from out-of-memory errors, losing or repeating no sample.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from torch import Tensor
 
 from accumopt import _tree
 from accumopt._checks import positive_int
-from accumopt._loss_result import NOT_TRAINED, parse
+from accumopt._loss_result import NOT_TRAINED, parse, summed
 from accumopt._module_state import ModuleState
 from accumopt._totals import Opened, Totals
 from accumopt.accumulate import AccumulatingOptimizer
@@ -175,10 +169,6 @@ class MicroBatchRunner:
         self._ranks = optimizer._ranks if auto else None
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
-            if self._ranks is not None:
-                # every rank must agree on each micro-batch's outcome before anyone counts it
-                # (counting may be a collective)
-                optimizer._defer_counting()
 
     # ------------------------------------------------------------------ read-outs
 
@@ -241,8 +231,9 @@ class MicroBatchRunner:
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         totals = Totals(return_outputs)
-        if self._fixed is None:
-            self._run_auto(rows_of, scaler, totals)
+        if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
+            with self.optimizer._counting_deferred(self._ranks is not None):
+                self._run_auto(rows_of, scaler, totals)
         else:  # every piece cut at once, none ever retried
             for piece, rows in rows_of.split(self._fixed):
                 if self.model is not None:
@@ -345,8 +336,10 @@ class MicroBatchRunner:
     def _forward_backward(
         self, piece: Any, rows: int, first_out: Any, scaler: Scaler
     ) -> tuple[Tensor, float, Any]:
-        opt = self.optimizer  # it runs and counts the backward pass itself (_backward_here)
-        loss, items, out = parse(opt._counter.unhooked.run(self.loss_fn, piece), rows)
+        opt = self.optimizer
+        with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
+            result = self.loss_fn(piece)
+        loss, items, out = parse(result, rows)
         if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
             raise ValueError(  # before the backward pass: this micro-batch is not counted
                 "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
@@ -354,25 +347,19 @@ class MicroBatchRunner:
                 f"micro-batch with return_outputs=True. {NOT_TRAINED}"
             )
         if self.loss_reduction == "mean":
-            if items == 0:
-                # a mean over no item is 0/0, whose gradient is NaN; its sum is 0: backpropagate
-                # an exact zero through the parameters instead (every gradient written, as 0)
-                params = [p for g in opt.param_groups for p in g["params"]]
-                loss = sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
-            else:
-                loss = loss * items
+            loss = summed(loss, items, (p for g in opt.param_groups for p in g["params"]))
         opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
         return loss.detach(), items, out
 
     def _step(self, scaler: Scaler) -> None:
         opt = self.optimizer
-        if scaler is not None:
+        if scaler is None and _own_steps(opt) and opt._step_inside_window():
+            return  # all that step() and zero_grad() do inside the window, done
+        if scaler is None:
+            opt.step()
+        else:
             scaler.step(opt)
             scaler.update()
-        elif opt._step_inside_window():  # all that step() and zero_grad() do inside the window
-            return
-        else:
-            opt.step()
         opt.zero_grad()
 
     def _snapshot(self) -> ModuleState:
@@ -398,3 +385,14 @@ class MicroBatchRunner:
             raise NoMicroBatchFits(
                 f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
             ) from None
+
+
+def _own_steps(opt: AccumulatingOptimizer) -> bool:
+    """Whether ``opt.step()`` and ``opt.zero_grad()`` are the wrapper's own: not overridden by a
+    subclass, ``step`` not replaced on the instance (as by an LR scheduler)."""
+    cls = type(opt)
+    return (
+        cls.step is AccumulatingOptimizer.step
+        and cls.zero_grad is AccumulatingOptimizer.zero_grad
+        and "_step_replaced" not in opt.__dict__
+    )

@@ -306,6 +306,24 @@ def items_without_the_ddp_model(rank: int) -> list[str | None]:
     return messages
 
 
+def auto_runner_then_plain(rank: int) -> tuple[Params, int]:
+    """The "auto" runner keeps counting back only while it runs: a plain micro-step after it
+    on the same wrapper is counted (rank r: rows 8r..8r+4 through the runner, 8r+4..8r+8 by
+    hand; one window of 16 items over both ranks)."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every_items=16, model=ddp)
+    runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum())
+    (x, y), a = data(), 8 * rank
+    runner((x[a : a + 4], y[a : a + 4]))
+    opt.next_items(4)
+    ((ddp(x[a + 4 : a + 8]) - y[a + 4 : a + 8]) ** 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return params(ddp), opt.updates
+
+
 def refused(rank: int) -> list[str]:
     messages = []
     for policy in ("skip_micro_batch", "raise"):
@@ -330,6 +348,7 @@ AGREEMENTS: dict[str, Callable[[int], Any]] = {
     "auto_oom": auto_oom_on_one_rank,
     "refused": refused,
     "items_without_model": items_without_the_ddp_model,
+    "auto_then_plain": auto_runner_then_plain,
 }
 
 
@@ -429,3 +448,12 @@ def test_ddp_items_without_the_ddp_model_are_refused_until_set_model(
         for message in (backward, next_items):
             assert message is not None and "opt.set_model(ddp_model)" in message
         assert after == "1"
+
+
+@pytest.mark.slow
+def test_a_plain_micro_step_after_the_auto_runner_is_counted(
+    agreements: list[dict[str, Any]],
+) -> None:
+    (p0, u0), (p1, u1) = (r["auto_then_plain"] for r in agreements)
+    assert p0 == p1 and u0 == u1 == 1
+    assert_exact(p0, full_batch([[[(0, 4), (8, 12)], [(4, 8), (12, 16)]]]))

@@ -5,8 +5,8 @@ private to torch and may change in any release. This test fails loudly, naming w
 disappeared and where accumopt uses it, so that a new torch release breaks here first rather
 than somewhere deep in a training run. The list comes from grepping accumopt/ for ``torch._``,
 ``_pytree``, ``_execution_engine``, ``_foreach``, ``_backward_hooks``, ``_register_hook_dict``,
-``_global_optimizer``, ``_optimizer_*_hooks``, ``_forward_hooks`` and the like; keep it in sync
-when accumopt starts (or stops) using a private name.
+``_global_optimizer``, ``_optimizer_*_hooks`` and the like; keep it in sync when accumopt
+starts (or stops) using a private name.
 """
 
 from __future__ import annotations
@@ -173,31 +173,6 @@ def tree_flatten_with_path(fn: Any) -> None:
     assert _pytree.keystr(flat[0][0]) == "['x'][0]"
 
 
-def module_forward_hooks(_: Any) -> None:
-    """A forward hook lives in ``module._forward_hooks`` under its handle's id, in an ordered
-    dict; with it there, and only then, a call takes the slow path (the hook runs)."""
-    module, calls = torch.nn.Linear(1, 1), []
-    handle = module.register_forward_hook(lambda *_: calls.append(1))
-    hooks = module._forward_hooks
-    assert list(hooks) == [handle.id]
-    lifted = hooks.pop(handle.id)
-    module(torch.ones(1, 1))
-    hooks[handle.id] = lifted
-    hooks.move_to_end(handle.id, last=False)
-    module(torch.ones(1, 1))
-    assert calls == [1]
-
-
-def compiled_call_impl(_: Any) -> None:
-    """``module.compile()`` sets ``_compiled_call_impl`` in the instance's ``__dict__``;
-    ``torch.compile(module)`` wraps it as the submodule ``_orig_mod``."""
-    module = torch.nn.Linear(1, 1)
-    assert module.__dict__.get("_compiled_call_impl") is None
-    module.compile()
-    assert module.__dict__.get("_compiled_call_impl") is not None
-    assert "_orig_mod" in torch.compile(torch.nn.Linear(1, 1))._modules
-
-
 def instance_attribute(name: str) -> Callable[[Any], None]:
     def check(_: Any) -> None:
         opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -328,12 +303,6 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         tensor_attribute("_post_accumulate_grad_hooks"),
     ),
     ("torch._foreach_norm", "_squares.py (noise scale)", foreach_norm),
-    ("torch.nn.Module~_forward_hooks", "_unhooked.py (the hook lifted)", module_forward_hooks),
-    ("torch.nn.Module~_compiled_call_impl", "_unhooked.py (left in place)", compiled_call_impl),
-    *(
-        (f"torch.nn.modules.module._global_{kind}", "_unhooked.py", mapping)
-        for kind in ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
-    ),
     (
         "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
         "_fsdp_pending.py (a discarded FSDP2 window)",
