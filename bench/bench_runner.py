@@ -43,13 +43,12 @@ TARGETS = {
     (RUNNER_AUTO, HUNDRED): 1.05,
     (RUNNER_AUTO, HEAVY): 1.05,
 }
-#: (runner, model) pairs that miss their target on the current code (run of 2026-12-02 07:30
-#: UTC, a quiet machine, A/A spreads 0.02-0.03, after the counting hook was lifted off the
-#: model while loss_fn runs: fixed 1.23 on the tiny MLP, 1.04 on 100 tensors; auto 1.38 and
-#: 1.08; 1.04 on the compute-heavy MLP, 0.95-1.05 in earlier runs, so the auto row stays
-#: xfail). What is left is the wrapper's bookkeeping per micro-step, a few Python calls that
-#: cost 3-5x their warm cost on the caches a backward pass leaves cold: a cheaper micro-step
-#: in the wrapper, not in the runner, is what these targets need
+#: (runner, model) pairs that miss their target on the current code (run of 2026-12-02 08:08
+#: UTC, a quiet machine, A/A spreads 0.01-0.05: fixed 1.27 on the tiny MLP, 1.05 on 100
+#: tensors; auto 1.41 and 1.07; 1.05 on the compute-heavy MLP, 0.95-1.05 in earlier runs, so
+#: the auto row stays xfail). What is left is the wrapper's bookkeeping per micro-step, a few
+#: dozen Python calls that cost 3-5x their warm cost on the caches a backward pass leaves
+#: cold: a cheaper micro-step in the wrapper, not in the runner, is what these targets need
 MISSING: set[tuple[str, str]] = {
     (RUNNER_FIXED, TINY),
     (RUNNER_FIXED, HUNDRED),
