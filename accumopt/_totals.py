@@ -46,7 +46,8 @@ class Totals:
         self.first = self.outputs[0] if self.outputs else None
 
     def result(self) -> Any:
-        """The mean loss (0-dim, detached), or ``(mean, outputs)`` with ``return_outputs``."""
+        """The mean loss (detached, of the losses' shape), or ``(mean, outputs)`` with
+        ``return_outputs``."""
         losses = self.losses  # n >= 1 rows: at least one micro-batch
         shape = losses[0].shape
         if len(losses) > 1 and all(loss.shape == shape for loss in losses):

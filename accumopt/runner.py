@@ -206,8 +206,9 @@ class MicroBatchRunner:
             return_outputs: also return the concatenated per-row outputs of ``loss_fn``.
 
         Returns:
-            The batch's mean loss (0-dim tensor, detached, on the loss's device: the sum of
-            the micro-batch losses over the sum of their items), or ``(mean_loss, outputs)``.
+            The batch's mean loss (detached, of the losses' shape: 0-dim for 0-dim losses, on
+            the loss's device: the sum of the micro-batch losses over the sum of their items),
+            or ``(mean_loss, outputs)``.
 
         Raises:
             RuntimeError: the wrapper refuses (a failed pass not dropped: ``opt.discard()``).

@@ -267,6 +267,36 @@ def test_accelerate_clipping_is_exact_at_the_boundary_and_refused_inside_the_win
 
 
 @needs_accelerate
+@pytest.mark.parametrize("how", ["an inner pre-hook", "max_grad_norm"])
+def test_accelerate_clipping_once_per_update_reaches_the_window_flush_applies(
+    clean_accelerate: None, how: str
+) -> None:
+    """The short last window, applied by ``flush()``, is clipped like the others through
+    ``max_grad_norm=`` or a step pre-hook of the inner optimizer (clipping under
+    ``if opt.will_update:`` in the loop never sees it: the README says so)."""
+    ds = dataset(50)  # two windows of 20 rows, then a short one of 10
+    expected, _ = full_batch(ds, EVERY * MICRO, clip=0.05)
+    accelerator = fresh()
+    kw = {"max_grad_norm": 0.05} if how == "max_grad_norm" else {}
+    model, opt, optimizer, loader, sched = prepared(ds, accelerator, **kw)
+    if how == "an inner pre-hook":
+        params = list(model.parameters())
+
+        def clip(*_: Any) -> None:  # a pre-hook returns None
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+
+        opt.optimizer.register_step_pre_hook(clip)
+    for x, y, m in loader:
+        opt.next_items(m.sum())
+        accelerator.backward(loss_sum(model, x, y, m))
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad()
+    assert opt.updates == 2 and opt.flush() and opt.updates == 3
+    assert rel(flat(model), expected) <= 1e-12
+
+
+@needs_accelerate
 def test_accelerate_prepare_in_several_calls_wires_in_either_order(clean_accelerate: None) -> None:
     accelerator = fresh()
     model = net()

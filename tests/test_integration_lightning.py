@@ -161,6 +161,34 @@ def test_lightning_automatic_optimization_exact_with_ragged_batch_and_short_last
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
 
 
+def test_lightning_a_second_fit_on_one_module_stops_before_any_wrong_update() -> None:
+    """The first fit's wrapper still counts the module's passes (the README's "one fit per
+    module"): a second fit on the same module raises before its first update; a fresh module
+    given the first one's state_dict trains on exactly, as one run of both fits."""
+    first = Net(every=EVERY)
+    fit(first, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    after_one = flat(first).clone()
+    with pytest.raises(RuntimeError, match=r"changed in place|weighted"):
+        fit(first, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert torch.equal(flat(first), after_one)  # no update reached the parameters
+    second = Net(every=EVERY)
+    second.load_state_dict(torch.load(_saved(first), weights_only=True))
+    fit(second, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    both = Net(every=EVERY)
+    fit(both, MICRO, callbacks=[AccumulateCallback()], max_epochs=2)
+    assert rel(second, both) <= 1e-12
+
+
+def _saved(module: Net) -> Any:
+    """``module``'s state_dict after a round trip through bytes, as a checkpoint would be."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    return buffer
+
+
 class Skips(Net):
     """``training_step`` returns None (Lightning skips the batch) for the batches in ``skip``."""
 

@@ -45,7 +45,9 @@ whether it steps); ``trainer.estimated_stepping_batches`` counts batches (divide
 ``on_before_zero_grad`` and ``on_after_backward`` run every micro-step (``.grad`` then holds
 the window's running sum, and its mean after the closing micro-step); for the flushed last
 window, hooks and Lightning's clipping run after the wrapper's own ``max_grad_norm`` clipping
-(before it at other updates; set one of the two).
+(before it at other updates; set one of the two); one ``fit`` per module (a finished or failed
+fit's wrapper still counts the module's passes: a second ``fit`` stops with an error before
+any wrong update; fit a fresh module given the first one's ``state_dict()``).
 Lightning internals used (tested with 2.6): the training epoch loop's ``_should_accumulate``
 (replaced during ``fit``) and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
 per-optimizer class and step callbacks, and the precision plugin's ``_after_closure``.
