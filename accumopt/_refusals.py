@@ -98,7 +98,8 @@ def pending_items(api: str, pending: float) -> str:
     return (
         f"Accumulate.{api}: next_items({pending:g}) is still waiting for its backward pass; "
         "expected one item count per backward pass (next_items(n) then loss.backward(), or "
-        "opt.backward(loss_sum, items=n) alone). Nothing was changed by this call."
+        "opt.backward(loss_sum, items=n) alone; opt.discard() drops a waiting count with the "
+        "window). Nothing was changed by this call."
     )
 
 

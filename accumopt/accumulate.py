@@ -321,10 +321,11 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:
-        """An empty window, counting re-armed (``discard()``, a checkpoint load)."""
+        """An empty window, no item count waiting, counting re-armed (``discard()``, a
+        checkpoint load)."""
         if clear_grads:
             self.optimizer.zero_grad(set_to_none=True)
-        self._window.stepped = True
+        self._window.stepped, self._pending_items = True, None
         try:
             self._reset_window()
         except ValueError:  # a schedule's bad size: the empty window is open, usable once fixed

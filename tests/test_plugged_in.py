@@ -115,6 +115,25 @@ def test_next_items_twice_before_a_backward_pass_is_refused_and_changes_nothing(
     assert acc.micro_step == 0
 
 
+def test_discard_drops_a_waiting_item_count_with_the_window() -> None:
+    """A micro-batch whose forward pass failed after ``next_items(n)`` (an OOM, say) is
+    retried with another count after ``discard()``: the waiting count went with the window,
+    and the window trains exactly on what came after."""
+    ref, model = twins(mlp(75))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+    acc.next_items(5)  # its forward pass fails: no backward pass comes
+    acc.discard()
+    x, y = data(75, 8)
+    for xb, yb in zip(x.split(4), y.split(4)):
+        acc.next_items(len(xb))
+        mse_sum(model, xb, yb).backward()
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 1
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    assert_same_params(model, ref)
+
+
 def test_last_window_reports_micro_steps_items_and_the_pre_clip_norm() -> None:
     ref, model = twins(mlp(74))
     x, y = data(74, 8)
