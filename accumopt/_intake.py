@@ -90,9 +90,9 @@ class MicroStepIntake:
             items: a number >= 0 or a one-element tensor (one host sync).
 
         Raises:
-            ValueError: bad ``items``; a count is already waiting for its backward pass;
-                unweighted micro-steps in the window; several ranks without a DDP/FSDP2
-                model (see :meth:`set_model`).
+            ValueError: bad ``items``; a count is already waiting for its backward pass
+                (:meth:`discard` drops it with the window); unweighted micro-steps in the
+                window; several ranks without a DDP/FSDP2 model (see :meth:`set_model`).
             RuntimeError: the window is complete and waits for :meth:`step`, or a backward
                 pass failed part-way. Nothing changes when it raises.
         """
