@@ -209,9 +209,8 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         micro-step to drop, a paused counter, another thread, no backward pass since."""
         window = self._window
         slow = window.closed or window.stepped or self._drop_at_step or any_step_hooks(self)
-        if slow or "found_inf" in self.__dict__ or not self._counter._armed[0]:
-            return False
-        if self._thread != get_ident():
+        amp = "found_inf" in self.__dict__
+        if slow or amp or not self._counter._armed[0] or self._thread != get_ident():
             return False
         window.stepped, self.did_update = True, False
         return True

@@ -354,13 +354,13 @@ class MicroBatchRunner:
 
     def _step(self, scaler: Scaler) -> None:
         opt = self.optimizer
-        if scaler is None and _own_steps(opt) and opt._step_inside_window():
-            return  # all that step() and zero_grad() do inside the window, done
-        if scaler is None:
-            opt.step()
-        else:
+        if scaler is not None:
             scaler.step(opt)
             scaler.update()
+        elif _own_steps(opt) and opt._step_inside_window():
+            return  # all that step() and zero_grad() do inside the window, done
+        else:
+            opt.step()
         opt.zero_grad()
 
     def _snapshot(self) -> ModuleState:
