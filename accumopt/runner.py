@@ -21,6 +21,7 @@ from accumopt._totals import Opened, Totals
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
+from accumopt.distributed import GradSync
 from accumopt.oom import free_memory, is_oom, memory_report
 
 logger = logging.getLogger("accumopt")
@@ -166,7 +167,7 @@ class MicroBatchRunner:
         self._start = start_size
         self.sizer: MicroBatchSizer | None = None
         self._history: list[tuple[str, int, str]] = []
-        self._ranks = optimizer._ranks if auto else None
+        self._ranks: GradSync | None = None  # "auto": the wrapper's, read at each call
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
 
@@ -233,6 +234,7 @@ class MicroBatchRunner:
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         totals = Totals(return_outputs)
         if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
+            self._ranks = self.optimizer._ranks  # set_model() may have come after __init__
             with self.optimizer._counting_deferred(self._ranks is not None):
                 self._run_auto(rows_of, scaler, totals)
         else:  # every piece cut at once, none ever retried
@@ -391,9 +393,6 @@ class MicroBatchRunner:
 def _own_steps(opt: AccumulatingOptimizer) -> bool:
     """Whether ``opt.step()`` and ``opt.zero_grad()`` are the wrapper's own: not overridden by a
     subclass, ``step`` not replaced on the instance (as by an LR scheduler)."""
-    cls = type(opt)
-    return (
-        cls.step is AccumulatingOptimizer.step
-        and cls.zero_grad is AccumulatingOptimizer.zero_grad
-        and "_step_replaced" not in opt.__dict__
-    )
+    cls, own = type(opt), AccumulatingOptimizer
+    own_methods = cls.step is own.step and cls.zero_grad is own.zero_grad
+    return own_methods and "_step_replaced" not in opt.__dict__

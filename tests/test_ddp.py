@@ -112,8 +112,8 @@ def worker(rank: int, scenario: str, mode: str) -> tuple[Any, ...]:
     ddp.register_comm_hook(None, counting_hook)
     inner = make_opt(ddp.parameters())
     weighted = mode != "plain"
-    if mode == "auto_oom":  # OOM on rank 0 only: both ranks back off together
-        return run_auto(rank, ddp, inner, x, y, scenario)
+    if mode.startswith("auto_oom"):  # OOM on rank 0 only: both ranks back off together
+        return run_auto(rank, ddp, inner, x, y, scenario, later=mode == "auto_oom_later")
     if mode == "hand":  # the usual loop without accumulation-aware syncing
         for window in layout(scenario):
             for a, b in window[rank]:
@@ -155,14 +155,19 @@ def run_auto(
     x: torch.Tensor,
     y: torch.Tensor,
     scenario: str,
+    later: bool,
 ) -> tuple[Any, ...]:
+    """The "auto" runner with OOM on rank 0 only; ``later``: the runner is built before the
+    wrapper is given the DDP model (``set_model``, as frameworks do)."""
     from accumopt import Accumulate, MicroBatchRunner
     from accumopt.testing import simulate_oom
 
     windows = layout(scenario)
     rows = sum(b - a for r in windows[0] for a, b in r)
-    opt = Accumulate(inner, every_items=rows, model=ddp)
+    opt = Accumulate(inner, every_items=rows, model=None if later else ddp)
     runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum())
+    if later:
+        opt.set_model(ddp)
     limit = 5 if rank == 0 else 10**6
     with simulate_oom(ddp.module, limit, where="backward", at=ddp.module[0]):
         for window in windows:
@@ -212,8 +217,9 @@ def test_one_all_reduce_per_real_step_vs_one_per_micro_step() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_auto_micro_batch_size_backs_off_together_when_one_rank_runs_out() -> None:
-    results = run("equal", "auto_oom")
+@pytest.mark.parametrize("mode", ["auto_oom", "auto_oom_later"])
+def test_ddp_auto_micro_batch_size_backs_off_together_when_one_rank_runs_out(mode: str) -> None:
+    results = run("equal", mode)
     assert_matches(results, reference("equal", weighted=True))
     stats = [r[1] for r in results]
     assert stats[0] == stats[1] and stats[0]["size"] <= 5  # the same search on both ranks
