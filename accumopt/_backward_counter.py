@@ -154,13 +154,17 @@ class BackwardCounter:
         self._seen = 0  # parameters in the groups at the last watch_groups()
         self._frozen: list[Tensor] = []  # those of them that did not require grad then
         self._hooked_leaves: set[int] = set()
+        self.retired = False  # remove() was called: this counter counts nothing any more
         weakref.finalize(self, _remove_all, self._handles)
         if module is not None:
             self._handles.append(module.register_forward_hook(self._on_forward()))
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Count backward passes into every parameter of ``params`` that requires grad
-        (idempotent per parameter; call again for parameters unfrozen or added since)."""
+        (idempotent per parameter; call again for parameters unfrozen or added since); a no-op
+        once :meth:`remove` retired the counter."""
+        if self.retired:
+            return
         for p in params:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
@@ -240,7 +244,9 @@ class BackwardCounter:
         self._armed[0] = True
 
     def remove(self) -> None:
-        """Remove every hook; the counter then sees no more backward passes."""
+        """Remove every hook and retire the counter: it sees no more backward passes, and
+        :meth:`watch` adds none (the owner builds a new counter to count again)."""
+        self.retired = True
         _remove_all(self._handles)
         self._watched.clear()
         self._seen, self._frozen = 0, []

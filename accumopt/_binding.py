@@ -73,6 +73,21 @@ def bind(
         opt.noise_scale = noise.attach(opt, opt.noise_scale)
 
 
+def release(opt: AccumulatingOptimizer) -> None:
+    """Stop counting ``opt``'s backward passes: every counting hook is removed, the window
+    and the inner optimizer stay as they are. For a framework's run that ended (Lightning's
+    ``AccumulateCallback`` at the end of a fit, or its exception): a later run on the same
+    model with another wrapper is then not counted into this one. :func:`reattach` undoes it."""
+    opt._counter.remove()
+
+
+def reattach(opt: AccumulatingOptimizer) -> None:
+    """Count ``opt``'s backward passes again, where they were counted before :func:`release`
+    (at the model's outputs or at the parameters); nothing happens if it was not released."""
+    if opt._counter.retired:
+        bind(opt, opt.model, "parameters" if opt._counter._module is None else "outputs")
+
+
 def calling_scaler() -> torch.amp.GradScaler | None:
     """The ``GradScaler`` whose ``step(opt)`` is running, found on the call stack (its
     ``step`` calls the optimizer's ``step`` directly; a few frames allow for wrappers)."""

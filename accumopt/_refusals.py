@@ -210,7 +210,13 @@ def step_refusal(amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
             "Check that the loss depends on the wrapped parameters; parameters that were "
             "frozen when the wrapper was built are counted from the next real zero_grad() on."
         )
-        if opt.model is not None:
+        if opt._counter.retired:
+            hint = (
+                "This wrapper counts no backward pass any more: Lightning's AccumulateCallback "
+                "released it at the end of a fit; return it from configure_optimizers to fit "
+                "with it again, or build a new Accumulate."
+            )
+        elif opt.model is not None:
             hint += (
                 f" With model= a backward pass is counted when it reaches a tensor returned "
                 f"by the {type(opt.model).__qualname__} given (in a tuple, list or dict): "

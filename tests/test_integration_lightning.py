@@ -161,22 +161,72 @@ def test_lightning_automatic_optimization_exact_with_ragged_batch_and_short_last
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
 
 
-def test_lightning_a_second_fit_on_one_module_stops_before_any_wrong_update() -> None:
-    """The first fit's wrapper still counts the module's passes (the README's "one fit per
-    module"): a second fit on the same module raises before its first update; a fresh module
-    given the first one's state_dict trains on exactly, as one run of both fits."""
-    first = Net(every=EVERY)
-    fit(first, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
-    after_one = flat(first).clone()
-    with pytest.raises(RuntimeError, match=r"changed in place|weighted"):
-        fit(first, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
-    assert torch.equal(flat(first), after_one)  # no update reached the parameters
-    second = Net(every=EVERY)
-    second.load_state_dict(first.state_dict())
-    fit(second, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
-    both = Net(every=EVERY)
+class Cached(Net):
+    """``configure_optimizers`` returns the wrapper it built at the first fit at every fit."""
+
+    def configure_optimizers(self) -> Any:
+        if "built" not in self.__dict__:
+            self.built = super().configure_optimizers()
+        return self.built
+
+
+class FailsOnce(Net):
+    """``training_step`` raises at batch ``at`` (inside a window) of the first fit only."""
+
+    def __init__(self, at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.at, self.failed = at, False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == self.at and not self.failed:
+            self.failed = True
+            raise KeyError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("module_cls", [Net, Cached])
+@pytest.mark.parametrize("one_callback", [False, True])
+def test_lightning_two_fits_of_one_module_train_on_exactly(
+    module_cls: type[Net], manual: bool, one_callback: bool
+) -> None:
+    """At a fit's end the callback stops its wrappers counting the module's passes (they
+    used to count the next fit's passes too, which then stopped with an error): two fits of
+    one epoch, with the new wrapper configure_optimizers returns or the same one returned
+    again, and a new or the same callback, equal one fit of two epochs."""
+    module = module_cls(every=EVERY, manual=manual)
+    callback = AccumulateCallback()
+    fit(module, MICRO, callbacks=[callback], max_epochs=1)
+    fit(module, MICRO, callbacks=[callback if one_callback else AccumulateCallback()], max_epochs=1)
+    both = Net(every=EVERY, manual=manual)
     fit(both, MICRO, callbacks=[AccumulateCallback()], max_epochs=2)
-    assert rel(second, both) <= 1e-12
+    assert rel(module, both) <= 1e-12
+
+
+def test_lightning_a_fit_after_a_failed_one_trains_on_exactly() -> None:
+    """A training_step that raises inside a window ends the fit; the module fit again (a new
+    wrapper) trains as a fresh module given its state_dict would: the failed fit's wrapper
+    counts none of its passes, and its window's gradient in .grad is not carried over."""
+    module = FailsOnce(at=4, every=EVERY)
+    with pytest.raises(KeyError, match="boom"):
+        fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert module.net[0].weight.grad is not None  # the failed window's sum is in .grad
+    fresh = Net(every=EVERY)
+    fresh.load_state_dict(module.state_dict())
+    fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    fit(fresh, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert torch.equal(flat(module), flat(fresh))
+
+
+def test_lightning_a_wrapper_stepped_after_its_fit_says_it_was_released() -> None:
+    module = Net(every=EVERY)
+    opt = fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1).optimizers[0]
+    x, y = data()
+    F.mse_loss(module.net(x), y).backward()
+    before = flat(module)
+    with pytest.raises(RuntimeError, match=r"counts no backward pass any more.*released it"):
+        opt.step()
+    assert torch.equal(flat(module), before)
 
 
 class Skips(Net):

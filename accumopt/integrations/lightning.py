@@ -45,9 +45,10 @@ whether it steps); ``trainer.estimated_stepping_batches`` counts batches (divide
 ``on_before_zero_grad`` and ``on_after_backward`` run every micro-step (``.grad`` then holds
 the window's running sum, and its mean after the closing micro-step); for the flushed last
 window, hooks and Lightning's clipping run after the wrapper's own ``max_grad_norm`` clipping
-(before it at other updates; set one of the two); one ``fit`` per module (a finished or failed
-fit's wrapper still counts the module's passes: a second ``fit`` stops with an error before
-any wrong update; fit a fresh module given the first one's ``state_dict()``).
+(before it at other updates; set one of the two). At the end of a ``fit`` (or its exception)
+the callback stops its wrappers counting the module's backward passes, so the module can be
+fit again with the new wrappers ``configure_optimizers`` returns; a wrapper returned again
+counts again and goes on where it stood (a window left open by a failed fit included).
 Lightning internals used (tested with 2.6): the training epoch loop's ``_should_accumulate``
 (replaced during ``fit``) and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
 per-optimizer class and step callbacks, and the precision plugin's ``_after_closure``.
@@ -63,6 +64,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from accumopt import _binding
 from accumopt.accumulate import AccumulatingOptimizer
 
 try:
@@ -141,7 +143,8 @@ class AccumulateCallback(pl.Callback):
     Takes no arguments; add one instance to ``Trainer(callbacks=[...])``. At ``on_fit_start``
     it checks the configuration, gives each wrapper the strategy's DDP module (automatic
     optimization), routes ``self.optimizers()`` calls to the wrapper and tells Lightning's
-    training loop which batches are accumulation batches; ``teardown`` undoes the last.
+    training loop which batches are accumulation batches; ``teardown`` (and ``on_exception``)
+    undoes the last and stops the wrappers counting the module's backward passes.
 
     Raises (from ``trainer.fit``, before any update unless stated):
         ValueError: no ``Accumulate`` among the optimizers; ``accumulate_grad_batches != 1``
@@ -173,6 +176,8 @@ class AccumulateCallback(pl.Callback):
             for acc in self._accs:
                 if acc.model is not model:
                     acc.set_model(model, count_at=count_at)
+        for acc in self._accs:  # returned again after an earlier fit released it
+            _binding.reattach(acc)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         for lopt in wrapped if isinstance(wrapped, list) else [wrapped]:
             if isinstance(lopt.optimizer, AccumulatingOptimizer):
@@ -188,10 +193,21 @@ class AccumulateCallback(pl.Callback):
             acc.flush()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Give Lightning's training loop its own accumulation rule back."""
+        """Give Lightning's training loop its own accumulation rule back, and stop the wrappers
+        counting the module's backward passes (:func:`accumopt._binding.release`): a later
+        fit of the module with other wrappers must not be counted into these."""
         if self._loop is not None:
             self._loop.__dict__.pop("_should_accumulate", None)
             self._loop = None
+        for acc in self._accs:
+            _binding.release(acc)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """A fit that raised: as :meth:`teardown` (Lightning runs no teardown hook then). The
+        open window stays in the wrappers, for a checkpoint callback that saves it."""
+        self.teardown(trainer, pl_module, "fit")
 
     # ------------------------------------------------------------------ the wiring
 
