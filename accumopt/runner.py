@@ -160,8 +160,6 @@ class MicroBatchRunner:
         self.device = torch.device(device) if device is not None else None
         self.loss_reduction = loss_reduction
         self.model = model
-        # whose buffers a failed "auto" attempt restores: the runner's model, else the wrapper's
-        self._state_model = model if model is not None else optimizer.model
         self._fixed = None if auto else int(micro_batch_size)
         self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
         self._start = start_size
@@ -366,9 +364,11 @@ class MicroBatchRunner:
         opt.zero_grad()
 
     def _snapshot(self) -> ModuleState:
-        """What the coming ``"auto"`` attempt may change outside the gradients."""
+        """What the coming ``"auto"`` attempt may change outside the gradients: the buffers of
+        the runner's model, else of the wrapper's (read now: ``set_model`` may come later)."""
         params = (p for g in self.optimizer.param_groups for p in g["params"])  # lazy: CUDA only
-        return ModuleState(self._state_model, params, self.device)
+        model = self.model if self.model is not None else self.optimizer.model
+        return ModuleState(model, params, self.device)
 
     def _recover(self, key: Hashable, size: int, failure: str, state: ModuleState) -> None:
         """Roll back the failed micro-batch alone (its gradient, the buffers its forward pass
