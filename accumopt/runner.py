@@ -52,13 +52,13 @@ class MicroBatchRunner:
     generator of each CUDA device the model, the parameters or ``device`` are on) are restored
     from a snapshot taken before each attempt (see :mod:`accumopt._module_state`), so the run
     equals one that used the final sizes from the start. Buffers need the model: ``model=``
-    here, else the wrapper's ``model=``; without either only gradients and generators are
-    restored. Once a size has run for the batch's inputs, a window the call opens at that size
-    runs without the rollback buffer and without a snapshot per attempt (one per window): its
-    micro-steps add up in ``.grad`` as in a plain loop. Should one of them run out of memory
-    after all (memory got scarcer), the window is dropped and run again from its first row at
-    a smaller size, from that snapshot: nothing is lost or counted twice, and its earlier
-    micro-batches are computed twice. Probes of a larger size (``grow_after``), a window
+    here, else the wrapper's (``model=`` or ``set_model``, at the time of the attempt);
+    without either only gradients and generators are restored. Once a size has run for the
+    batch's inputs, a window the call opens at that size runs without the rollback buffer and
+    without a snapshot per attempt (one per window): its micro-steps add up in ``.grad`` as in
+    a plain loop. Should one of them run out of memory after all (memory got scarcer), the
+    window is dropped and run again from its first row at a smaller size, from that snapshot:
+    nothing is lost or counted twice, and its earlier micro-batches are computed twice. Probes of a larger size (``grow_after``), a window
     carried over from the previous call, DDP and a ``GradScaler`` keep the buffer.
 
     Example:
