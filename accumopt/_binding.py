@@ -10,7 +10,7 @@ the same wrapper as one built with ``model=`` / ``scaler=`` from the start.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,8 +84,29 @@ def release(opt: AccumulatingOptimizer) -> None:
 def reattach(opt: AccumulatingOptimizer) -> None:
     """Count ``opt``'s backward passes again, where they were counted before :func:`release`
     (at the model's outputs or at the parameters); nothing happens if it was not released."""
-    if opt._counter.retired:
-        bind(opt, opt.model, "parameters" if opt._counter._module is None else "outputs")
+    old = opt._counter
+    if old.retired:
+        bind(opt, opt.model, "parameters" if old._module is None else "outputs")
+        if old.paused:  # a pass that died part-way before the release: still refused
+            opt._counter.pause(old.paused_reason)
+
+
+def keep_out_of_grad(acc: Any) -> None:
+    """Move an open window of the wrapper ``acc`` out of ``.grad`` into its window buffer, for
+    the rest of a Lightning fit (``AccumulateCallback``; also its load_state_dict post hook):
+    Lightning zeroes the module's gradients after ``on_fit_start`` and after it restored a
+    checkpoint, which would wipe a window held there. Raises RuntimeError where it cannot."""
+    if not acc.micro_step:
+        return
+    try:
+        acc.enable_rollback()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"AccumulateCallback: the fit starts inside an open window of {acc.micro_step} "
+            "micro-step(s) (a checkpoint saved mid-window, or a wrapper returned again after a "
+            "fit that raised), which must leave .grad before Lightning zeroes the gradients at "
+            f"the fit's start, and could not: {err}"
+        ) from err
 
 
 def calling_scaler() -> torch.amp.GradScaler | None:

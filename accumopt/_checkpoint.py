@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from accumopt import _grads
+from accumopt import _grads, _guards
 from accumopt._checks import positive_int
 from accumopt.integrations import dcp
 from accumopt.integrations.dcp import dcp_init_step as dcp_init_step  # for the wrapper's step()
@@ -148,6 +148,9 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         opt._buffer.restore(window, params)
         opt._sync.restored(opt._window, items_global=_format(extra or {}) < 3)
         opt._plan_sync()
+    opt._guard.forget()  # the window's gradients are the loaded ones: noted afresh, so that
+    if window is not None and opt._window.micro_step and not opt._window.closed:
+        _guards.note(opt)  # a wipe before its close (a framework's zero_grad) is refused
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
 

@@ -383,7 +383,6 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _checkpoint.load_state_dict(self, state_dict)
-        self._guard.forget()  # the window's gradients are the loaded ones
 
     load_state_dict.__doc__ = _checkpoint.load_state_dict.__doc__
     __getstate__ = _checkpoint.getstate

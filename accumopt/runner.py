@@ -58,8 +58,9 @@ class MicroBatchRunner:
     without a snapshot per attempt (one per window): its micro-steps add up in ``.grad`` as in
     a plain loop. Should one of them run out of memory after all (memory got scarcer), the
     window is dropped and run again from its first row at a smaller size, from that snapshot:
-    nothing is lost or counted twice, and its earlier micro-batches are computed twice. Probes of a larger size (``grow_after``), a window
-    carried over from the previous call, DDP and a ``GradScaler`` keep the buffer.
+    nothing is lost or counted twice, and its earlier micro-batches are computed twice. Probes
+    of a larger size (``grow_after``), a window carried over from the previous call, DDP and
+    a ``GradScaler`` keep the buffer.
 
     Example:
         >>> import torch

@@ -218,6 +218,78 @@ def test_lightning_a_fit_after_a_failed_one_trains_on_exactly() -> None:
     assert torch.equal(flat(module), flat(fresh))
 
 
+class CachedFailsOnce(FailsOnce, Cached):
+    """Raises at batch ``at`` of the first fit; the same wrapper is returned at every fit."""
+
+
+def sgd_windows(windows: list[list[int]], rows: int = ROWS) -> Net:
+    """Plain SGD, one update per window of batch indices (batches of MICRO rows): the mean
+    loss over the window's rows."""
+    x, y = data(rows)
+    reference = Net()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for window in windows:
+        idx = [i for b in window for i in range(MICRO * b, min(MICRO * b + MICRO, rows))]
+        opt.zero_grad()
+        F.mse_loss(reference.net(x[idx]), y[idx], reduction="sum").div(len(idx)).backward()
+        opt.step()
+    return reference
+
+
+def test_lightning_the_same_wrapper_after_a_failed_fit_goes_on_with_its_window() -> None:
+    """The failed fit leaves a window of batch 3 open in .grad; Lightning zeroes the gradients
+    at the next fit's start, after on_fit_start, so the callback moves the window into the
+    wrapper's buffer first (it was wiped before, and the window's close refused)."""
+    module = CachedFailsOnce(at=4, every=EVERY)
+    with pytest.raises(KeyError, match="boom"):
+        fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert module.built.micro_step == 1
+    fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert rel(module, sgd_windows([[0, 1, 2], [3, 0, 1], [2, 3, 4], [5, 6]])) <= 1e-12
+
+
+def test_lightning_resume_from_a_checkpoint_saved_inside_a_window_is_exact(
+    tmp_path: Path,
+) -> None:
+    """OnExceptionCheckpoint saves the window of batch 3 when batch 4 raises; a fresh module
+    resumed from it keeps that window: Lightning restores the optimizer after on_fit_start
+    and then zeroes the gradients, so the callback moves a restored window into the buffer
+    from a load_state_dict post hook (its gradient was lost before, its rows still divided
+    by). Lightning feeds the resumed epoch from the loader's first batch (batch_idx goes on
+    at 4): the reference replays the batches it fed."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    fed: list[int] = []
+
+    class Logs(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            fed.append(int(batch[0][0, 0].item() * 1e6))  # which batch of the loader it is
+            return super().training_step(batch, batch_idx)
+
+    def trainer(*callbacks: Any) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu",
+            enable_progress_bar=False,
+            logger=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            callbacks=[AccumulateCallback(), *callbacks],
+            max_epochs=EPOCHS,
+        )
+
+    x, y = data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=MICRO)
+    with pytest.raises(KeyError, match="boom"):
+        trainer(OnExceptionCheckpoint(tmp_path)).fit(FailsOnce(at=4, every=EVERY), loader)
+    resumed = Logs(every=EVERY)
+    trainer().fit(resumed, loader, ckpt_path=tmp_path / "on_exception.ckpt")
+    firsts = [int(x[MICRO * b, 0].item() * 1e6) for b in range(7)]
+    batches = [firsts.index(f) for f in fed]
+    assert len(batches) == 3 + 7  # the resumed epoch's batch_idx 4-6, then a whole epoch
+    windows = [[0, 1, 2], [3, *batches[:2]], [batches[2]], [0, 1, 2], [3, 4, 5], [6]]
+    assert rel(resumed, sgd_windows(windows)) <= 1e-12
+
+
 def test_lightning_a_wrapper_stepped_after_its_fit_says_it_was_released() -> None:
     module = Net(every=EVERY)
     opt = fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1).optimizers[0]

@@ -557,3 +557,26 @@ def test_the_window_guard_keeps_no_gradient_of_a_finished_window_alive() -> None
         acc.zero_grad()
     assert acc.updates == 1
     assert all(r() is None for r in refs)
+
+
+def test_a_window_loaded_from_a_checkpoint_then_wiped_is_refused_at_its_close() -> None:
+    """A framework that zeroes .grad after restoring a checkpoint saved mid-window (Lightning
+    does, at the start of a fit) wipes the loaded window: the close refuses it (it used to
+    apply the rest of the window divided by all of its rows, silently)."""
+    model = mlp(seed=0)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    x, y = data(1, 9)
+    mse_sum(model, x[:3], y[:3]).backward()
+    acc.step()
+    saved = copy.deepcopy(acc.state_dict())
+    resumed = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    del acc
+    resumed.load_state_dict(saved)
+    model.zero_grad()  # the framework's zeroing
+    before = [p.detach().clone() for p in model.parameters()]
+    mse_sum(model, x[3:6], y[3:6]).backward()
+    resumed.step()
+    with pytest.raises(RuntimeError, match="replaced or cleared by code outside the wrapper"):
+        mse_sum(model, x[6:], y[6:]).backward()  # the window's close, in the pass's callback
+        resumed.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

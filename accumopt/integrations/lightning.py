@@ -48,7 +48,10 @@ window, hooks and Lightning's clipping run after the wrapper's own ``max_grad_no
 (before it at other updates; set one of the two). At the end of a ``fit`` (or its exception)
 the callback stops its wrappers counting the module's backward passes, so the module can be
 fit again with the new wrappers ``configure_optimizers`` returns; a wrapper returned again
-counts again and goes on where it stood (a window left open by a failed fit included).
+counts again and goes on where it stood (a window left open by a failed fit included). A
+fit that starts inside a window (resumed from a checkpoint saved mid-window, or that window
+left open) keeps the window in the wrapper's buffer for that fit, out of ``.grad``, which
+Lightning zeroes at the fit's start.
 Lightning internals used (tested with 2.6): the training epoch loop's ``_should_accumulate``
 (replaced during ``fit``) and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
 per-optimizer class and step callbacks, and the precision plugin's ``_after_closure``.
@@ -161,6 +164,7 @@ class AccumulateCallback(pl.Callback):
         self._loop: Any = None  # the training epoch loop whose _should_accumulate is ours
         self._decision = (-1, False)  # (batch, accumulate?) decided at the batch's start
         self._flushed: dict[int, int] = {}  # id(wrapper) -> the batch whose step flushed it
+        self._handles: list[Any] = []  # the wrappers' load_state_dict post hooks
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -176,8 +180,11 @@ class AccumulateCallback(pl.Callback):
             for acc in self._accs:
                 if acc.model is not model:
                     acc.set_model(model, count_at=count_at)
-        for acc in self._accs:  # returned again after an earlier fit released it
-            _binding.reattach(acc)
+        for acc in self._accs:
+            _binding.reattach(acc)  # returned again after an earlier fit released it
+            _binding.keep_out_of_grad(acc)  # a window left open by a fit that raised
+            # Lightning restores a checkpoint after this hook: the window it may hold too
+            self._handles.append(acc.register_load_state_dict_post_hook(_binding.keep_out_of_grad))
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         for lopt in wrapped if isinstance(wrapped, list) else [wrapped]:
             if isinstance(lopt.optimizer, AccumulatingOptimizer):
@@ -201,6 +208,9 @@ class AccumulateCallback(pl.Callback):
             self._loop = None
         for acc in self._accs:
             _binding.release(acc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
