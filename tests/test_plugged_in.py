@@ -580,3 +580,46 @@ def test_a_window_loaded_from_a_checkpoint_then_wiped_is_refused_at_its_close() 
         mse_sum(model, x[6:], y[6:]).backward()  # the window's close, in the pass's callback
         resumed.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_resume_mid_window_with_a_scheduler_loaded_after_the_wrapper_is_exact(
+    scheduler_first: bool,
+) -> None:
+    """The usual resume order (optimizer, then scheduler) from a checkpoint saved inside a
+    window, the scheduler stepped at updates: exact. (The window guard noted the scheduler's
+    position at the wrapper's load, before the scheduler's own, and refused the window.)"""
+    x, y = data(2, 24)
+    model, ref = twins(mlp(seed=3))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=4)
+    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1, gamma=0.5)
+
+    def micro_steps(opt: Accumulate, scheduler: Any, rows: range) -> None:
+        for i in rows:
+            mse_sum(model, x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]).div(2).backward()
+            opt.step()
+            if opt.did_update:
+                scheduler.step()
+            opt.zero_grad()
+
+    micro_steps(acc, sched, range(6))  # one update, then 2 micro-steps of the second window
+    saved = copy.deepcopy((acc.state_dict(), sched.state_dict()))
+    del acc, sched
+    resumed = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=4)
+    resumed_sched = torch.optim.lr_scheduler.StepLR(resumed, step_size=1, gamma=0.5)
+    loads = [
+        lambda: resumed.load_state_dict(saved[0]),
+        lambda: resumed_sched.load_state_dict(saved[1]),
+    ]
+    for load in reversed(loads) if scheduler_first else loads:
+        load()
+    micro_steps(resumed, resumed_sched, range(6, 12))
+    plain = torch.optim.SGD(ref.parameters(), lr=0.5)
+    plain_sched = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+    for w in range(3):
+        rows = slice(8 * w, 8 * w + 8)
+        plain.zero_grad()
+        mse_sum(ref, x[rows], y[rows]).div(8).backward()
+        plain.step()
+        plain_sched.step()
+    assert_same_params(model, ref)
