@@ -259,6 +259,29 @@ def test_hf_trainer_token_weighted_equals_full_batch_without_loss_kwargs() -> No
     check_same_run(trainer, reference, flat(base))
 
 
+class RenamedLM(GPT2LMHeadModel):  # type: ignore[misc]
+    """A user's GPT-2 under a name transformers' causal-LM mapping does not list."""
+
+
+@pytest.mark.parametrize("renamed", [False, True])
+def test_hf_trainer_label_smoothing_weights_what_the_smoother_averages(renamed: bool) -> None:
+    """The label smoother shifts the labels only for a causal-LM class name of transformers'
+    mapping, whatever the loss type: a renamed GPT-2's smoothed loss is a mean over all its
+    labels, and counting the shifted ones was silently off (rel 4e-3; found by review). The
+    tolerance allows for the smoother's own float32 sum (rel 4e-10 with the stock GPT-2, 4e-8
+    renamed), far below that error."""
+    data, base = sequences(SAMPLES), gpt2()
+    if renamed:
+        base.__class__ = RenamedLM
+    smoothing = {"label_smoothing_factor": 0.1, "num_train_epochs": 1}
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run_full(tmp, copy.deepcopy(base), data, **smoothing)
+        trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, **smoothing)
+        trainer.train()
+    assert trainer._shifts() is not renamed
+    assert rel(trainer.model, reference.model, flat(base)) <= 1e-6
+
+
 def test_hf_trainer_micro_batch_without_tokens_adds_nothing() -> None:
     data = sequences(8, seed=5)
     for i in (2, 3):  # the second micro-batch (sequential order) has no token with a loss

@@ -67,3 +67,16 @@ def zero_loss(outputs: Any, opt: Any) -> Tensor:
     tensors = [v for k, v in pairs if k not in ("loss", 0) and isinstance(v, Tensor)]
     tensors = [t for t in tensors if t.requires_grad] or list(params_of(opt.param_groups))
     return sum((t.nan_to_num().sum() * 0.0 for t in tensors), tensors[0].new_zeros(()))
+
+
+def smoother_shifts(model: Any) -> bool:
+    """Whether the Trainer's label smoother shifts the labels of ``model`` (unwrapped): it does
+    when the model's class name, or a PEFT model's base model's, is a causal-LM class name of
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``Trainer.compute_loss``, transformers 5.x) and
+    only then, whatever the model's ``loss_type`` (a subclass of ``GPT2LMHeadModel`` under
+    another name is not shifted)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer_utils import _is_peft_model
+
+    named = model.base_model.model if _is_peft_model(model) else model
+    return named._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.distributed import is_distributed
-from accumopt.integrations._hf_loss import loss_refusal, zero_loss
+from accumopt.integrations._hf_loss import loss_refusal, smoother_shifts, zero_loss
 
 
 class TransformersMissing(ImportError):
@@ -106,8 +106,10 @@ class AccumulateTrainer(Trainer):
             built on the wrapper or on the inner optimizer; None: the Trainer's, over real
             updates.
         shift_labels: whether the model's loss predicts ``labels[..., 1:]`` (a causal LM that
-            shifts internally); None: the Trainer's guess (a ``ForCausalLMLoss`` loss type) or
-            a decoder-only class named ``*ForCausalLM``/``*LMHeadModel``. For :meth:`count_items`.
+            shifts internally); None: with label smoothing, the smoother's own rule (a
+            causal-LM class name of transformers' mapping); else the Trainer's guess (a
+            ``ForCausalLMLoss`` loss type) or a decoder-only class named ``*ForCausalLM`` /
+            ``*LMHeadModel``. For :meth:`count_items`.
 
     ``self.args`` becomes a copy with ``gradient_accumulation_steps = k`` (micro-batches per
     update, per rank). The wrapper's ``max_grad_norm`` is set to ``args.max_grad_norm`` when it
@@ -294,6 +296,8 @@ class AccumulateTrainer(Trainer):
         if self.shift_labels is not None:
             return self.shift_labels
         model = self.accelerator.unwrap_model(self.model)
+        if self.label_smoother is not None and self.compute_loss_func is None:
+            return smoother_shifts(model)  # the smoother's loss, shifted by its own rule
         config = getattr(model, "config", None)
         causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))  # GPT2LMHeadModel
         causal = causal and not getattr(config, "is_encoder_decoder", False)
