@@ -78,5 +78,6 @@ def smoother_shifts(model: Any) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.trainer_utils import _is_peft_model
 
-    named = model.base_model.model if _is_peft_model(model) else model
+    peft = _is_peft_model(model)  # type: ignore[no-untyped-call]
+    named = model.base_model.model if peft else model
     return named._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
