@@ -340,6 +340,27 @@ def interrupted(tmp: str, base: nn.Module, data: list[Any], stop: Interrupt, **k
     assert first.state.global_step == stop.open_at
 
 
+def test_hf_trainer_train_again_after_a_stop_inside_a_window_starts_afresh() -> None:
+    """A train() stopped inside a window (should_training_stop after 2 micro-batches of window
+    2), then train() again without resuming: the Trainer zeroes the gradients at its start, so
+    the open window is dropped, as the plain Trainer drops a partial accumulation (the
+    window's close refused it as wiped before). Reference: the plain Trainer at the full batch,
+    one update, then a fresh train() of the same model."""
+    data, base = sequences(SAMPLES), gpt2()
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Interrupt(open_at=1, open_micro=2, rename=False)
+        stop.save = lambda name: None  # type: ignore[method-assign]  # stop, save nothing
+        trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, callbacks=[stop])
+        stop.trainer = trainer
+        trainer.train()
+        assert trainer.accumulate.micro_step == 2
+        trainer.remove_callback(Interrupt)
+        trainer.train()
+        reference = run_full(tmp, copy.deepcopy(base), data, max_steps=1)
+        reference = run_full(tmp, reference.model, data)
+    assert rel(trainer.model, reference.model, flat(base)) <= 1e-12
+
+
 @pytest.mark.parametrize("where", ["open", "closed", "checkpoint-1"])
 def test_hf_trainer_resume_from_checkpoint_is_bit_for_bit(
     gpt2_runs: dict[str, Any], where: str

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.distributed import is_distributed
+from accumopt.integrations._hf_boundary import Boundary, find
 from accumopt.integrations._hf_loss import loss_refusal, smoother_shifts, zero_loss
 
 
@@ -65,9 +66,9 @@ WINDOW_FILE = "accumopt_window_rank{rank}.pt"
 
 _IGNORE_INDEX = -100  # the label every Hugging Face loss ignores
 _STEPPED_INSIDE = (
-    "AccumulateTrainer: the wrapper was about to update inside the Trainer's window (stepped "
-    "from training_step, e.g. by a MicroBatchRunner); expected the Trainer to step it once per "
-    "window. Nothing was applied. Let the Trainer cut the micro-batches instead "
+    "AccumulateTrainer: the wrapper was about to update inside the Trainer's window (stepped from "
+    "training_step, e.g. by a MicroBatchRunner); expected the Trainer to step it once per window. "
+    "Nothing was applied. Let the Trainer cut the micro-batches instead "
     "(per_device_train_batch_size, gradient_accumulation_steps)."
 )
 
@@ -141,7 +142,7 @@ class AccumulateTrainer(Trainer):
     def accumulate(self) -> AccumulatingOptimizer:
         """The :class:`~accumopt.Accumulate` wrapper the Trainer steps (RuntimeError before the
         optimizer exists: pass it, or call ``train()``/``create_optimizer()`` first)."""
-        opt = _find(self.optimizer)
+        opt = find(self.optimizer)
         if opt is None:
             raise RuntimeError("AccumulateTrainer: no optimizer yet; expected train() first.")
         return opt
@@ -150,7 +151,7 @@ class AccumulateTrainer(Trainer):
         """``given`` if it is (or, once prepared, holds) an ``Accumulate``, else one around it;
         the window, ``gradient_accumulation_steps`` and clipping checked and reconciled."""
         steps = int(self.args.gradient_accumulation_steps)
-        opt = _find(given)
+        opt = find(given)
         if opt is None:
             if not isinstance(given, torch.optim.Optimizer):
                 raise TypeError(
@@ -226,8 +227,13 @@ class AccumulateTrainer(Trainer):
             )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train`` (same arguments and result), after :meth:`check_supported`."""
+        """``Trainer.train`` (same arguments and result), after :meth:`check_supported`. A
+        training that starts afresh (no ``resume_from_checkpoint``) drops a window left open by
+        a ``train()`` stopped inside it, as the Trainer drops a partial accumulation."""
         self.check_supported()
+        resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+        if not resume and (opt := find(self.optimizer)) is not None and opt.micro_step:
+            opt.discard()  # the Trainer zeroes the gradients at its start: the window is gone
         return super().train(*args, **kwargs)
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
@@ -235,9 +241,9 @@ class AccumulateTrainer(Trainer):
         self._adopt(model)
         prepared = self.optimizer
         if isinstance(prepared, AcceleratedOptimizer) and not isinstance(
-            prepared.optimizer, _Boundary
+            prepared.optimizer, Boundary
         ):
-            prepared.optimizer = _Boundary(self, self.accumulate)
+            prepared.optimizer = Boundary(self, self.accumulate)
             if not self._hooked:
                 self.accumulate.optimizer.register_step_pre_hook(self._only_at_boundary)
                 self._hooked = True
@@ -339,7 +345,7 @@ class AccumulateTrainer(Trainer):
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Tensor:
         self._norm = torch.full((), float("nan"), device=self.args.device)
-        return self._norm  # filled by _Boundary.step: the window's pre-clip norm
+        return self._norm  # filled by Boundary.step: the window's pre-clip norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
@@ -364,37 +370,3 @@ class AccumulateTrainer(Trainer):
                 f"AccumulateTrainer: {checkpoint} was written mid-window but has no {path}; "
                 "expected one window file per rank (each rank's own partial gradient)."
             )
-
-
-class _Boundary:
-    """What ``AcceleratedOptimizer`` steps: the wrapper, or its flush at the epoch's end
-    (``zero_grad``, ``state_dict``, everything else: the wrapper's)."""
-
-    def __init__(self, trainer: AccumulateTrainer, opt: AccumulatingOptimizer) -> None:
-        self.trainer, self.optimizer = trainer, opt
-
-    def __getattr__(self, name: str) -> Any:  # not during copy/unpickling, before __init__
-        if name == "optimizer":
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    def step(self, closure: Any = None) -> None:
-        opt, trainer = self.optimizer, self.trainer
-        trainer._stepping = True
-        try:
-            if opt.will_update:
-                opt.step()
-            elif opt.micro_step > 0:
-                opt.flush()  # the epoch's short last window: its own exact mean
-        finally:
-            trainer._stepping = False
-        report = opt.last_window
-        if trainer._norm is not None and report is not None and report.grad_norm is not None:
-            trainer._norm.copy_(report.grad_norm)
-
-
-def _find(opt: Any) -> AccumulatingOptimizer | None:
-    """The ``Accumulate`` in ``opt``, under Accelerate's wrapper and ours, or None."""
-    while opt is not None and not isinstance(opt, AccumulatingOptimizer):
-        opt = getattr(opt, "optimizer", None)
-    return opt
