@@ -5,16 +5,15 @@ version counter grows by one per accumulating backward pass) and are applied at 
 with the learning rate the window was opened under. Code that does not know about the window
 breaks that silently: ``model.zero_grad()`` or a framework's own zeroing after every micro-step,
 ``p.grad = None``, ``p.grad.zero_()``, an LR scheduler stepped every micro-step, the inner
-optimizer stepped directly. :class:`WindowGuard` notes the state after a window's first
-micro-step and checks it once, at its close: O(parameters) per window, nothing per micro-step.
+optimizer stepped directly, a second live wrapper. :class:`WindowGuard` notes the state after
+a window's first micro-step (or a loaded window) and checks it once, at its close.
 
 What it cannot see: a gradient zeroed in place in a window where that parameter was not reached
 by some micro-step (its version counter is then within the allowance), a sparse gradient set to
 None whose later micro-steps reached every row the first one did (sparse accumulation may
 replace the tensor: a replacement that kept those rows passes), an LR held in a tensor and
 changed in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2 the closing
-pass replaces ``.grad`` legitimately, so only the learning rate is checked there.
-"""
+pass replaces ``.grad`` legitimately: only the learning rate is checked there."""
 
 from __future__ import annotations
 
@@ -36,10 +35,11 @@ WIPED = (
     "Accumulate: the gradients of the open window were replaced or cleared by code outside "
     "the wrapper ({what}; {count} parameter(s), e.g. one of shape {shape}) between its first "
     "micro-step and now: model.zero_grad(), the inner optimizer's zero_grad(), p.grad = None "
-    "or p.grad.zero_() every micro-step, or a framework's own zeroing. The window's sum is "
-    "lost, so it was not applied; expected gradients cleared only through opt.zero_grad() "
-    "(a no-op inside a window). Call opt.discard() to drop the window, then remove that call "
-    "(see accumopt.integrations for Trainer, Lightning and Accelerate)."
+    "or p.grad.zero_() every micro-step, a framework's own zeroing, or another live Accumulate "
+    "over these parameters (each divides at its own close). The window's sum is lost, so it was "
+    "not applied; expected gradients cleared only through opt.zero_grad() (a no-op inside a "
+    "window). Call opt.discard() to drop the window, then remove that call (accumopt.integrations "
+    "adapts Trainer, Lightning and Accelerate)."
 )
 
 LR_CHANGED = (

@@ -201,7 +201,8 @@ class Window:
             return RuntimeError, (
                 f"Accumulate: the window closed after {self.micro_step} micro-step(s) and step() "
                 "has not been called since; expected step() after every backward pass (call "
-                "opt.step() before the next backward)."
+                "opt.step() before the next backward; or drop another live Accumulate over "
+                "these parameters, which counts this pass too)."
             )
         if self.every_items is not None and not weighted:
             return ValueError, (

@@ -623,3 +623,20 @@ def test_resume_mid_window_with_a_scheduler_loaded_after_the_wrapper_is_exact(
         plain.step()
         plain_sched.step()
     assert_same_params(model, ref)
+
+
+def test_a_second_live_wrapper_over_the_same_parameters_is_named_in_the_refusal() -> None:
+    """Two live wrappers over one model both count every backward pass and divide at their
+    own close: refused before any update, and the refusal names that cause."""
+    model = mlp(seed=0)
+    first = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    second = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    x, y = data(1, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="another live Accumulate over these parameters"):
+        for i in range(4):
+            mse_sum(model, x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]).backward()
+            second.step()
+            second.zero_grad()
+    assert first.updates == second.updates == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
