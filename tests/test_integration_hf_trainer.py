@@ -13,6 +13,7 @@ float64 comparison near 1e-8; the models here use the same loss in float64 (``f6
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import sys
@@ -340,7 +341,9 @@ def interrupted(tmp: str, base: nn.Module, data: list[Any], stop: Interrupt, **k
     assert first.state.global_step == stop.open_at
 
 
-def test_hf_trainer_train_again_after_a_stop_inside_a_window_starts_afresh() -> None:
+def test_hf_trainer_train_again_after_a_stop_inside_a_window_starts_afresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A train() stopped inside a window (should_training_stop after 2 micro-batches of window
     2), then train() again without resuming: the Trainer zeroes the gradients at its start, so
     the open window is dropped, as the plain Trainer drops a partial accumulation (the
@@ -355,7 +358,9 @@ def test_hf_trainer_train_again_after_a_stop_inside_a_window_starts_afresh() -> 
         trainer.train()
         assert trainer.accumulate.micro_step == 2
         trainer.remove_callback(Interrupt)
-        trainer.train()
+        with caplog.at_level(logging.WARNING, logger="accumopt"):
+            trainer.train()
+        assert "dropped the open window of 2 micro-step(s)" in caplog.text
         reference = run_full(tmp, copy.deepcopy(base), data, max_steps=1)
         reference = run_full(tmp, reference.model, data)
     assert rel(trainer.model, reference.model, flat(base)) <= 1e-12

@@ -30,6 +30,7 @@ How it fits the Trainer's loop (transformers 5.x):
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -65,6 +66,12 @@ WINDOW_FILE = "accumopt_window_rank{rank}.pt"
 """Per-rank file, in a checkpoint folder, of a window open when the checkpoint was written."""
 
 _IGNORE_INDEX = -100  # the label every Hugging Face loss ignores
+_LOG = logging.getLogger("accumopt")
+_DROPPED = (
+    "AccumulateTrainer.train: dropped the open window of %d micro-step(s) the wrapper held: a "
+    "training started afresh (no resume_from_checkpoint) zeroes the gradients first. To go "
+    "on with it, resume from the checkpoint it was saved in: train(resume_from_checkpoint=...)."
+)
 _STEPPED_INSIDE = (
     "AccumulateTrainer: the wrapper was about to update inside the Trainer's window (stepped from "
     "training_step, e.g. by a MicroBatchRunner); expected the Trainer to step it once per window. "
@@ -228,12 +235,14 @@ class AccumulateTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train`` (same arguments and result), after :meth:`check_supported`. A
-        training that starts afresh (no ``resume_from_checkpoint``) drops a window left open by
-        a ``train()`` stopped inside it, as the Trainer drops a partial accumulation."""
+        training that starts afresh (no ``resume_from_checkpoint``) drops, with a warning, any
+        window the wrapper holds (left open by a ``train()`` stopped inside it, or loaded from a
+        state_dict), as the Trainer drops a partial accumulation: it zeroes the gradients."""
         self.check_supported()
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
         if not resume and (opt := find(self.optimizer)) is not None and opt.micro_step:
-            opt.discard()  # the Trainer zeroes the gradients at its start: the window is gone
+            _LOG.warning(_DROPPED, opt.micro_step)
+            opt.discard()
         return super().train(*args, **kwargs)
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
