@@ -148,11 +148,14 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         opt._buffer.restore(window, params)
         opt._sync.restored(opt._window, items_global=_format(extra or {}) < 3)
         opt._plan_sync()
+    # The loaded gradients are noted afresh, so that a wipe before the window's close (a
+    # framework's zero_grad) is refused; not its learning rates: a scheduler is often loaded
+    # after the optimizer.
     guard = opt._guard
-    guard.forget()  # the window's gradients are the loaded ones: noted afresh, so that a wipe
-    if window is not None and opt._window.micro_step and not opt._window.closed:  # before its
-        unmarked = guard.lrs, guard.schedulers  # close (a framework's zero_grad) is refused;
-        _guards.note(opt)  # not its learning rates: a scheduler is often loaded after this
+    guard.forget()
+    if window is not None and opt._window.micro_step and not opt._window.closed:
+        unmarked = guard.lrs, guard.schedulers
+        _guards.note(opt)
         guard.lrs, guard.schedulers = unmarked
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)

@@ -381,10 +381,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     # The checkpoint format lives in one place; its functions are these methods.
     state_dict = _checkpoint.state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _checkpoint.load_state_dict(self, state_dict)
-
-    load_state_dict.__doc__ = _checkpoint.load_state_dict.__doc__
+    load_state_dict = _checkpoint.load_state_dict
     __getstate__ = _checkpoint.getstate
     __setstate__ = _checkpoint.setstate
 

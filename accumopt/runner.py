@@ -21,7 +21,6 @@ from accumopt._totals import Opened, Totals
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
-from accumopt.distributed import GradSync
 from accumopt.oom import free_memory, is_oom, memory_report
 
 logger = logging.getLogger("accumopt")
@@ -166,7 +165,6 @@ class MicroBatchRunner:
         self._start = start_size
         self.sizer: MicroBatchSizer | None = None
         self._history: list[tuple[str, int, str]] = []
-        self._ranks: GradSync | None = None  # "auto": the wrapper's, read at each call
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
 
@@ -233,8 +231,7 @@ class MicroBatchRunner:
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         totals = Totals(return_outputs)
         if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
-            self._ranks = self.optimizer._ranks  # set_model() may have come after __init__
-            with self.optimizer._counting_deferred(self._ranks is not None):
+            with self.optimizer._counting_deferred(self.optimizer._ranks is not None):
                 self._run_auto(rows_of, scaler, totals)
         else:  # every piece cut at once, none ever retried
             for piece, rows in rows_of.split(self._fixed):
@@ -250,15 +247,15 @@ class MicroBatchRunner:
         of memory is dropped alone and retried smaller). A window this call opens at a proven
         size runs without them (:class:`Opened`): its micro-steps stay in ``.grad``, and an
         out-of-memory error there restarts the window from its first row, smaller."""
-        n = rows_of.rows
-        if self._ranks is not None:
-            self._ranks.check_same_rows(n, "MicroBatchRunner")
+        n, ranks = rows_of.rows, self.optimizer._ranks  # read now: set_model() may follow init
+        if ranks is not None:
+            ranks.check_same_rows(n, "MicroBatchRunner")
         key = rows_of.shape_key()
         offset = 0
         opened: Opened | None = None
         opt = self.optimizer
         # windows without the buffer: one process (ranks agree per micro-batch), no GradScaler
-        may_open = self._ranks is None and scaler is None
+        may_open = ranks is None and scaler is None
         while offset < n:
             size, proven = self._propose(key, n - offset)
             if opened is not None and not proven:  # a larger size is probed: from here on
@@ -277,8 +274,8 @@ class MicroBatchRunner:
                     self._undo(state, opened, offset)
                     raise
                 failure = f"{type(err).__name__}: {err}"
-            if self._ranks is not None:  # all ranks back off together, or none does
-                failed_ranks = self._ranks.failed_ranks(failure is not None)
+            if ranks is not None:  # all ranks back off together, or none does
+                failed_ranks = ranks.failed_ranks(failure is not None)
                 if failed_ranks and failure is None:
                     failure = f"out of memory on {failed_ranks:g} other rank(s)"
                 if failure is None:
@@ -368,7 +365,7 @@ class MicroBatchRunner:
         """What the coming ``"auto"`` attempt may change outside the gradients: the buffers of
         the runner's model, else of the wrapper's (read now: ``set_model`` may come later)."""
         params = (p for g in self.optimizer.param_groups for p in g["params"])  # lazy: CUDA only
-        model = self.model if self.model is not None else self.optimizer.model
+        model = self.optimizer.model if self.model is None else self.model
         return ModuleState(model, params, self.device)
 
     def _recover(self, key: Hashable, size: int, failure: str, state: ModuleState) -> None:
