@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from accumopt import _tree
+from accumopt import _cuts, _tree
 from accumopt._checks import positive_int
 from accumopt._loss_result import NOT_TRAINED, parse, summed
 from accumopt._module_state import ModuleState
@@ -41,10 +41,11 @@ class MicroBatchRunner:
     accumulation boundary. Under AMP the wrapper's ``scaler`` is used
     (``scaler.scale(loss)``, ``scaler.step``, ``scaler.update`` per micro-batch).
 
-    With ``micro_batch_size="auto"`` the number of micro-batches per batch changes as the search
-    moves, so build the wrapper with ``every_items=N`` (items per update): the effective batch
-    then stays N items whatever the micro-batch size (with ``every=k`` an update would cover k
-    micro-batches of whatever size they had). A micro-batch attempt that runs out of memory
+    With ``"auto"`` the micro-batches per batch change as the search moves: build the wrapper
+    with ``every_items=N`` (items per update; with ``every=k`` an update would cover k
+    micro-batches of whatever size). A micro-batch is cut where the window fills at one item
+    per row (:mod:`accumopt._cuts`): a window of rows holds exactly N of them, whatever the
+    micro-batch size. A micro-batch attempt that runs out of memory
     leaves no trace: its gradient is dropped, and the buffers its forward pass updated
     (BatchNorm running statistics and ``num_batches_tracked``, any registered buffer of the
     model) and the random number generators it drew from (the CPU generator; the default CUDA
@@ -233,8 +234,9 @@ class MicroBatchRunner:
         if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
             with self.optimizer._counting_deferred(self.optimizer._ranks is not None):
                 self._run_auto(rows_of, scaler, totals)
-        else:  # every piece cut at once, none ever retried
-            for piece, rows in rows_of.split(self._fixed):
+        else:  # never retried; cut at the window's end
+            window, ranks = self.optimizer._window, self.optimizer._sync.world_size
+            for piece, rows in _cuts.fixed_pieces(rows_of, self._fixed, window, ranks):
                 if self.model is not None:
                     warn_small_batchnorm(self.model, rows)
                 totals.add(*self._forward_backward(piece, rows, totals.first, scaler), rows)
@@ -257,7 +259,8 @@ class MicroBatchRunner:
         # windows without the buffer: one process (ranks agree per micro-batch), no GradScaler
         may_open = ranks is None and scaler is None
         while offset < n:
-            size, proven = self._propose(key, n - offset)
+            fill = _cuts.room(opt._window, opt._sync.world_size)  # the window's end, if near
+            size, proven = self._propose(key, min(n - offset, fill or n))
             if opened is not None and not proven:  # a larger size is probed: from here on
                 opened = None  # each micro-batch is rolled back alone
             elif opened is None and proven and may_open and opt._rollback_off():
