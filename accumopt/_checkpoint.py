@@ -5,7 +5,7 @@ A wrapper's state dict is the inner optimizer's state dict plus one ``"accumopt"
     {"format": 3, "every": 4, "every_items": None, "reduction": "mean", "updates": 12,
      "window": None | {"micro_step", "items", "weighted", "closed", "stepped", "size",
                        "grads": {param index: .grad}, "buffer": {param index: sum},
-                       "buffer_all", "found_inf", "unfolded"},
+                       "buffer_all", "found_inf", "unfolded", "rank"},
      "schedule": {"scheduled", "updates", "items_seen", "size", "schedule_state"},
      "noise_scale": None | NoiseScale.state_dict()}
 
@@ -20,7 +20,9 @@ does. ``"window"`` is None at an accumulation boundary. Formats read:
   ``state_dict()`` (``schedules.AdaptiveBatch``), and the noise-scale averages. Under DDP/FSDP2
   a weighted window counted in micro-steps saves this rank's own ``"items"`` (they are summed
   over the ranks at the boundary); formats 1-2 saved them summed already, and such a window is
-  loaded with the sum on rank 0 and 0 on the others.
+  loaded with the sum on rank 0 and 0 on the others. A window's ``"rank"`` is ``[rank, ranks]``
+  of the process that saved it (``[0, 1]`` without a DDP/FSDP2 model; absent in entries written
+  before 2026-12-02): its gradients and items are that rank's own, so it loads only there.
 
 A change of the entry's meaning gets a new format number, and this module keeps reading the
 older ones.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,6 +84,7 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
     if opt._window.micro_step:
         grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}
         window = {**opt._window.position(), "grads": grads, **opt._buffer.contents(params)}
+        window["rank"] = [opt._sync.rank, opt._sync.world_size]
     every, every_items, reduction = opt._window.settings()
     entry = {
         "format": FORMAT,
@@ -184,6 +188,7 @@ def _check_entry(
     if window is None:
         return None
     _check_position(window)
+    _check_rank(opt, window.get("rank"))
     saved: tuple[object, ...] = (extra["every"], extra["every_items"], extra["reduction"])
     ours: tuple[object, ...] = opt._window.settings()
     scheduled = bool((extra.get("schedule") or {}).get("scheduled"))
@@ -223,15 +228,77 @@ def _check_position(window: dict[str, Any]) -> None:
         "closed": not isinstance(window.get("closed"), bool),
         "stepped": not isinstance(window.get("stepped"), bool),
         "unfolded": not (window.get("unfolded", 0) == 0 or positive_int(window.get("unfolded"))),
+        "rank": window.get("rank") is not None and not _is_place(window.get("rank")),
     }
     bad = [f"{key}={window.get(key)!r}" for key, wrong in problems.items() if wrong]
     if bad:
         raise ValueError(
             f"Accumulate.load_state_dict: the checkpoint's open window has {', '.join(bad)}; "
             "expected micro_step an int >= 1, items a finite number >= 0, weighted None or a "
-            "bool, closed and stepped bools, unfolded an int >= 0, as state_dict() writes them. "
+            "bool, closed and stepped bools, unfolded an int >= 0, rank [rank, ranks] (ints, "
+            "0 <= rank < ranks), as state_dict() writes them. "
             "The checkpoint was changed or damaged: load an intact one. Nothing was changed."
         )
+
+
+def _check_rank(opt: AccumulatingOptimizer, saved: Any) -> None:
+    """Refuse an open window saved by another rank, or on another number of ranks: its partial
+    gradient and items are that rank's own (ValueError, nothing changed)."""
+    problem = _rank_problem(opt, saved)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _rank_problem(opt: AccumulatingOptimizer, saved: Any) -> str | None:
+    here = [opt._sync.rank, opt._sync.world_size]
+    if saved is None or list(saved) == here:
+        return None
+    return (
+        f"Accumulate.load_state_dict: the checkpoint's open window was saved by rank "
+        f"{saved[0]} of {saved[1]}, and is loaded on rank {here[0]} of {here[1]} (ranks of the "
+        "wrapper's DDP/FSDP2 model; 0 of 1 without one); its partial gradient and items are "
+        f"the saving rank's own, and training on them here would give a wrong update. {_OWN}"
+    )
+
+
+_OWN = (
+    "Expected each rank to load the state dict it saved itself, on as many ranks, with the "
+    "model given to the wrapper (model= or set_model) before loading. A framework that saves "
+    "rank 0's optimizer state alone (Lightning's DDP) can resume from a checkpoint saved at an "
+    "accumulation boundary only (opt.micro_step == 0, e.g. right after an update). Nothing was "
+    "changed."
+)
+
+
+def owners_agree(all_ranks: Callable[[bool], bool]) -> Callable[[Any, Any], None]:
+    """A ``load_state_dict`` pre-hook for a framework that loads one rank's optimizer state on
+    every rank (Lightning's DDP saves rank 0's alone): the ranks agree (``all_ranks(ok)``, a
+    collective: True where it is True on every rank) whether each loads an open window it
+    saved itself, and every rank raises ValueError if one does not; no rank goes on to wait
+    in a collective for one that raised."""
+
+    def hook(opt: Any, state: Any) -> None:
+        entry = state.get(KEY) if isinstance(state, dict) else None
+        window = entry.get("window") if isinstance(entry, dict) else None
+        saved = window.get("rank") if isinstance(window, dict) else None
+        problem = _rank_problem(opt, saved) if _is_place(saved) else None
+        if not all_ranks(problem is None):
+            raise ValueError(
+                problem
+                or "Accumulate.load_state_dict: another rank refused the checkpoint's open "
+                f"window, saved by one rank (here: {saved!r}) and loaded on every rank (see "
+                f"that rank's error): its partial gradient and items are one rank's. {_OWN}"
+            )
+
+    return hook
+
+
+def _is_place(place: Any) -> bool:
+    """Whether ``place`` is ``[rank, ranks]`` as :func:`state_dict` writes it."""
+    if not isinstance(place, (list, tuple)) or len(place) != 2:
+        return False
+    rank, ranks = place
+    return positive_int(ranks) and isinstance(rank, int) and 0 <= rank < ranks
 
 
 def _check_savable(opt: AccumulatingOptimizer) -> None:

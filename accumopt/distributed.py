@@ -101,8 +101,7 @@ def _before_forward(ref: weakref.ref[GradSync]) -> Any:
 class LocalSync:
     """The single-process stand-in for :class:`GradSync`: one rank, no collective."""
 
-    fsdp = False
-    world_size = 1
+    fsdp, rank, world_size = False, 0, 1
 
     def _nothing(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to synchronise, sum, give back or adjust in one process."""
@@ -155,7 +154,7 @@ class GradSync:
 
     Attributes:
         fsdp (bool): ``module`` is FSDP2 (sharded gradients: only its reduce-scatter combines).
-        world_size (int): ranks in the process group.
+        rank, world_size (int): this process's rank in the process group, and its ranks.
         all_reduces (int): accumopt's own collectives that carry data (item sums, gradient
             sums, inf/NaN flags, the runner's agreements); not DDP's or FSDP2's.
         checks (int): small collectives that only check that the ranks agree on the window.
@@ -180,7 +179,7 @@ class GradSync:
         self.group: dist.ProcessGroup | None = (
             None if self.fsdp else module.process_group  # type: ignore[assignment]
         )
-        self.world_size = dist.get_world_size(self.group)
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.side = _agreement_group(self.group)
         self.all_reduces = self.checks = 0
         self.synced = False
@@ -297,7 +296,7 @@ class GradSync:
         self.synced = self.reduce_every_micro_step
         self._released = self._checked_before = self._closing_checked = False
         in_steps = window.weighted and window.every is not None
-        if items_global and in_steps and dist.get_rank(self.group) != 0:
+        if items_global and in_steps and self.rank != 0:
             window.items = 0.0
 
     def agreed_found_inf(self, scaler: object, opt: Any, found_inf: Tensor) -> Tensor:

@@ -90,3 +90,43 @@ def test_a_checkpoint_for_other_parameter_shapes_is_refused_and_changes_nothing(
     with pytest.raises(ValueError, match="same model"):
         opt.load_state_dict(copy.deepcopy(src.state_dict()))
     assert opt.optimizer.state_dict() == before and opt.updates == 0 and opt.micro_step == 0
+
+
+@pytest.mark.parametrize(
+    ("rank", "match"),
+    [
+        ([1, 2], "saved by rank 1 of 2, and is loaded on rank 0 of 1"),
+        ([0, 4], "saved by rank 0 of 4"),
+        ([2, 2], "changed or damaged"),
+        ("rank 0", "changed or damaged"),
+    ],
+)
+def test_a_window_saved_on_another_rank_or_world_is_refused_and_changes_nothing(
+    rank: object, match: str
+) -> None:
+    """A window's gradient and items are the saving rank's own: its ``[rank, ranks]`` must be
+    this process's (``[0, 1]`` without a DDP/FSDP2 model); a malformed one is damage."""
+    model = _model()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    state = copy.deepcopy(opt.state_dict())
+    assert state["accumopt"]["window"]["rank"] == [0, 1]
+    opt.step()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    state["accumopt"]["window"]["rank"] = rank
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state)
+    assert opt.micro_step == 1 and opt.updates == 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_a_window_without_a_rank_loads_as_before() -> None:
+    """Entries written before the window recorded its rank load where they are given."""
+    model = _model()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    state = copy.deepcopy(opt.state_dict())
+    del state["accumopt"]["window"]["rank"]
+    fresh = Accumulate(torch.optim.SGD(_model().parameters(), lr=0.1), every=2)
+    fresh.load_state_dict(state)
+    assert fresh.micro_step == 1

@@ -5,6 +5,7 @@ rank with single-process full-batch training in float64."""
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -123,10 +124,54 @@ def format_1_checkpoint_resumes(rank: int) -> Any:
     return [p.detach().flatten().tolist() for p in ddp.parameters()]
 
 
+def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
+    """Each rank saves after the window's first micro-step. Resumed into new wrappers, each
+    from its own state dict: the window finishes exactly. Every rank given rank 0's (what a
+    framework that saves rank 0's optimizer state alone does): rank 1 refuses it; with
+    ``owners_agree`` (the ranks agree through an all-reduce, as Lightning's callback does
+    through its strategy), rank 0 refuses it too. The refusals' messages come back."""
+    import torch.distributed as dist
+
+    from accumopt import Accumulate
+    from accumopt._checkpoint import owners_agree
+
+    def wrapper() -> tuple[nn.Module, Any]:
+        ddp = nn.parallel.DistributedDataParallel(net())
+        return ddp, Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp)
+
+    def all_ranks(ok: bool) -> bool:
+        flag = torch.tensor(float(ok))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    ddp, opt = wrapper()
+    micro(rank, ddp, opt, W1[0])
+    own = copy.deepcopy(opt.state_dict())
+    shared = [own]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
+    refused = []
+    for agree in (False, True):
+        _, late = wrapper()
+        if agree:
+            late.register_load_state_dict_pre_hook(owners_agree(all_ranks))
+        try:
+            late.load_state_dict(copy.deepcopy(shared[0]))
+            refused.append(None)
+        except ValueError as err:
+            refused.append(str(err))
+    ddp, resumed = wrapper()
+    resumed.load_state_dict(own)
+    for rows in W1[1:]:
+        micro(rank, ddp, resumed, rows)
+    assert resumed.updates == 1
+    return [p.detach().flatten().tolist() for p in ddp.parameters()], refused
+
+
 SCENARIOS: dict[str, Callable[[int], Any]] = {
     "scaler_inf": grad_scaler_inf_on_one_rank,
     "load_live_flush": load_into_the_live_wrapper_then_flush,
     "format1": format_1_checkpoint_resumes,
+    "own_window": each_rank_loads_its_own_window_or_refuses_rank_0s,
 }
 
 
@@ -170,3 +215,16 @@ def test_ddp_format_1_checkpoint_counts_its_items_once(results: list[dict[str, A
     expected = [p.detach().flatten().tolist() for p in model.parameters()]
     for r in results:
         assert_close(r["format1"], expected)
+
+
+@pytest.mark.slow
+def test_ddp_each_rank_resumes_its_own_window_and_refuses_another_ranks(
+    results: list[dict[str, Any]],
+) -> None:
+    (p0, refused0), (p1, refused1) = (r["own_window"] for r in results)
+    assert_close(p0, full_batch([W1]))
+    assert p0 == p1
+    assert refused0[0] is None  # rank 0's own window: rank 0 alone cannot tell
+    assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[0]
+    assert "another rank refused the checkpoint's open window" in refused0[1]
+    assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[1]

@@ -607,3 +607,57 @@ def test_lightning_example_digits_on_two_ddp_processes_is_exact_at_the_first_win
     rel = re.search(r"rel param diff = (\d\.\d+e[+-]\d+)", out)
     assert rel is not None and float(rel.group(1)) <= 1e-12, out
     assert "2 rank(s)" in out and "trainer.global_step 6" in out
+
+
+class _SaveAt(L.Callback):
+    """Save a checkpoint (every rank takes part; rank 0 writes it) at the end of one batch."""
+
+    def __init__(self, batch: int, path: Path) -> None:
+        self.batch, self.path = batch, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if args[-1] == self.batch:  # batch_idx
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [4, 5], ids=["inside a window", "at its boundary"])
+def test_lightning_ddp_resume_from_inside_a_window_is_refused_on_every_rank(
+    tmp_path: Path, batch: int
+) -> None:
+    """Lightning's DDP saves rank 0's optimizer state alone and loads it on every rank: a
+    window saved inside a window (rank 0's partial gradient and items) would train rank 1 on
+    rank 0's window, a wrong update with no error. Every rank refuses it before any update
+    (the ranks agree through the strategy; rank 1 names the mismatch); a checkpoint saved at
+    a window's boundary resumes as before."""
+    ckpt = tmp_path / "mid.ckpt"
+    first = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[AccumulateCallback(), _SaveAt(batch, ckpt)],
+    )
+    x, y = data(44)
+    loader = DataLoader(TensorDataset(x, y), batch_size=MICRO)
+    first.fit(Net(every=EVERY), loader)
+    second = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=2,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[AccumulateCallback()],
+    )
+    if batch == 5:
+        second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)
+        return
+    with pytest.raises(Exception, match=r"open window, saved by one rank|saved by rank 0 of 2"):
+        second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)

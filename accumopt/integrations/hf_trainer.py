@@ -367,15 +367,32 @@ class AccumulateTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
             self._adopt(self.model_wrapped)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        main_window: list[bool] = []  # optimizer.pt's window, the main process's (not loaded)
+        hook = self.accumulate.register_load_state_dict_pre_hook(
+            lambda _, state: _without_window(state, main_window)
+        )
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            hook.remove()
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, WINDOW_FILE.format(rank=self.args.process_index))
         if os.path.isfile(path):  # applied once the Trainer has zeroed the gradients
             where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
             self._reload = torch.load(path, map_location=where, weights_only=True)
-        elif self.accumulate.micro_step > 0:  # only rank 0's window, from optimizer.pt
+        elif main_window:  # only the main process's window, in optimizer.pt
             raise RuntimeError(
                 f"AccumulateTrainer: {checkpoint} was written mid-window but has no {path}; "
                 "expected one window file per rank (each rank's own partial gradient)."
             )
+
+
+def _without_window(state: Any, seen: list[bool]) -> Any:
+    """``optimizer.pt``'s state dict without its open window (noted in ``seen``): that window
+    is the main process's, and each rank's own comes from its window file."""
+    entry = state.get("accumopt") if isinstance(state, dict) else None
+    if not isinstance(entry, dict) or entry.get("window") is None:
+        return None
+    seen.append(True)
+    return {**state, "accumopt": {**entry, "window": None}}

@@ -68,6 +68,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from accumopt import _binding
+from accumopt._checkpoint import owners_agree
 from accumopt.accumulate import AccumulatingOptimizer
 
 try:
@@ -185,6 +186,9 @@ class AccumulateCallback(pl.Callback):
             _binding.keep_out_of_grad(acc)  # a window left open by a fit that raised
             # Lightning restores a checkpoint after this hook: the window it may hold too
             self._handles.append(acc.register_load_state_dict_post_hook(_binding.keep_out_of_grad))
+            if trainer.world_size > 1:  # every rank loads rank 0's optimizer state
+                agree = owners_agree(trainer.strategy.reduce_boolean_decision)
+                self._handles.append(acc.register_load_state_dict_pre_hook(agree))
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         for lopt in wrapped if isinstance(wrapped, list) else [wrapped]:
             if isinstance(lopt.optimizer, AccumulatingOptimizer):
