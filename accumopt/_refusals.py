@@ -223,6 +223,12 @@ def step_refusal(amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
                 "check that the loss is computed from model(...)'s outputs, or use "
                 "opt.backward(loss) for other losses."
             )
+            if type(opt.model).__name__ != "OptimizedModule":  # not torch.compile's module
+                hint += (
+                    " If the model runs through torch.compile, give the compiled module as "
+                    "model=: code Dynamo compiled before the wrapper hooked the module runs "
+                    "without its hook (Dynamo does not guard on hooks)."
+                )
         return RuntimeError(
             "Accumulate.step: no backward pass since the last step(); expected one "
             "backward pass (loss.backward() or opt.backward(loss, items=n)) before each "
