@@ -103,15 +103,9 @@ def data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 4, generator=g), torch.randn(rows, 3, generator=g)
 
 
-def fit(
-    module: Net,
-    batch_size: int,
-    rows: int = ROWS,
-    callbacks: list[Any] | None = None,
-    **trainer_kwargs: Any,
-) -> L.Trainer:
-    kwargs: dict[str, Any] = {"max_epochs": EPOCHS, **trainer_kwargs}
-    trainer = L.Trainer(
+def quiet_trainer(callbacks: list[Any] | None, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without progress bar, logger, checkpointing or model summary."""
+    return L.Trainer(
         accelerator="cpu",
         enable_progress_bar=False,
         logger=False,
@@ -120,6 +114,16 @@ def fit(
         callbacks=callbacks,
         **kwargs,
     )
+
+
+def fit(
+    module: Net,
+    batch_size: int,
+    rows: int = ROWS,
+    callbacks: list[Any] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    trainer = quiet_trainer(callbacks, **{"max_epochs": EPOCHS, **trainer_kwargs})
     x, y = data(rows)
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=batch_size))
     return trainer
@@ -540,6 +544,12 @@ class _Report(L.Callback):
         )
 
 
+def ddp_fork_trainer(epochs: int, *callbacks: Any, **kwargs: Any) -> L.Trainer:
+    """A Trainer on 2 forked CPU ranks with ``AccumulateCallback`` and ``callbacks``."""
+    every = [AccumulateCallback(), *callbacks]
+    return quiet_trainer(every, devices=2, strategy="ddp_fork", max_epochs=epochs, **kwargs)
+
+
 def fit_ddp(module: Net, rows: int) -> dict[str, float]:
     """Fit on 2 forked CPU ranks (``ddp_fork``: no new interpreter, nothing to import); each
     rank takes every other row (``rank::2``), so with micro-batches of 3 and windows of 3 the
@@ -551,18 +561,7 @@ def fit_ddp(module: Net, rows: int) -> dict[str, float]:
             rank = self.trainer.global_rank  # type: ignore[union-attr]
             return DataLoader(TensorDataset(x[rank::2], y[rank::2]), batch_size=MICRO)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_fork",
-        use_distributed_sampler=False,
-        max_epochs=EPOCHS,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=[AccumulateCallback(), _Report()],
-    )
+    trainer = ddp_fork_trainer(EPOCHS, _Report(), use_distributed_sampler=False)
     trainer.fit(module, datamodule=Halves())
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
@@ -631,31 +630,11 @@ def test_lightning_ddp_resume_from_inside_a_window_is_refused_on_every_rank(
     (the ranks agree through the strategy; rank 1 names the mismatch); a checkpoint saved at
     a window's boundary resumes as before."""
     ckpt = tmp_path / "mid.ckpt"
-    first = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_fork",
-        max_epochs=1,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=[AccumulateCallback(), _SaveAt(batch, ckpt)],
-    )
+
     x, y = data(44)
     loader = DataLoader(TensorDataset(x, y), batch_size=MICRO)
-    first.fit(Net(every=EVERY), loader)
-    second = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_fork",
-        max_epochs=2,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        callbacks=[AccumulateCallback()],
-    )
+    ddp_fork_trainer(1, _SaveAt(batch, ckpt)).fit(Net(every=EVERY), loader)
+    second = ddp_fork_trainer(2)
     if batch == 5:
         second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)
         return
