@@ -282,6 +282,12 @@ def owners_agree(all_ranks: Callable[[bool], bool]) -> Callable[[Any, Any], None
         window = entry.get("window") if isinstance(entry, dict) else None
         saved = window.get("rank") if isinstance(window, dict) else None
         problem = _rank_problem(opt, saved) if _is_place(saved) else None
+        if window is not None and saved is None:  # written before windows recorded a rank
+            problem = (
+                "Accumulate.load_state_dict: the checkpoint's open window records no rank "
+                "(written before accumopt recorded it), and every rank is loading it: it is one "
+                f"rank's partial gradient and items, wrong on the others. {_OWN}"
+            )
         if not all_ranks(problem is None):
             raise ValueError(
                 problem

@@ -260,7 +260,7 @@ class MicroBatchRunner:
         may_open = ranks is None and scaler is None
         while offset < n:
             fill = _cuts.room(opt._window, opt._sync.world_size)  # the window's end, if near
-            size, proven = self._propose(key, min(n - offset, fill or n))
+            size, proven = self._propose(key, n - offset, fill)
             if opened is not None and not proven:  # a larger size is probed: from here on
                 opened = None  # each micro-batch is rolled back alone
             elif opened is None and proven and may_open and opt._rollback_off():
@@ -321,16 +321,17 @@ class MicroBatchRunner:
                 offset - opened.offset,
             )
 
-    def _propose(self, key: Hashable, available: int) -> tuple[int, bool]:
-        """The next attempt's size, and whether it ran before (``MicroBatchSizer.proven``)."""
+    def _propose(self, key: Hashable, left: int, fill: int | None) -> tuple[int, bool]:
+        """The next attempt's size (at most ``left`` rows and the window's room ``fill``) and if
+        it ran before (``MicroBatchSizer.proven``); the search starts at start_size or ``left``."""
         if self.sizer is None:
             self.sizer = MicroBatchSizer(
-                self._start or available,
+                self._start or left,
                 tolerance=self._tolerance,
                 grow_after=self._grow_after,
                 max_size=self._max_size,
             )
-        size = self.sizer.propose(key, available)
+        size = self.sizer.propose(key, left if fill is None else min(left, fill))
         if self.model is not None:
             warn_small_batchnorm(self.model, size)
         return size, self.sizer.proven(key, size)

@@ -129,7 +129,8 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     from its own state dict: the window finishes exactly. Every rank given rank 0's (what a
     framework that saves rank 0's optimizer state alone does): rank 1 refuses it; with
     ``owners_agree`` (the ranks agree through an all-reduce, as Lightning's callback does
-    through its strategy), rank 0 refuses it too. The refusals' messages come back."""
+    through its strategy), rank 0 refuses it too, and both refuse one that records no rank
+    (written before windows recorded it). The refusals' messages come back."""
     import torch.distributed as dist
 
     from accumopt import Accumulate
@@ -149,13 +150,15 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     own = copy.deepcopy(opt.state_dict())
     shared = [own]
     dist.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
+    unrecorded = copy.deepcopy(shared[0])  # as written before windows recorded their rank
+    del unrecorded["accumopt"]["window"]["rank"]
     refused = []
-    for agree in (False, True):
+    for agree, state in ((False, shared[0]), (True, shared[0]), (True, unrecorded)):
         _, late = wrapper()
         if agree:
             late.register_load_state_dict_pre_hook(owners_agree(all_ranks))
         try:
-            late.load_state_dict(copy.deepcopy(shared[0]))
+            late.load_state_dict(copy.deepcopy(state))
             refused.append(None)
         except ValueError as err:
             refused.append(str(err))
@@ -228,3 +231,4 @@ def test_ddp_each_rank_resumes_its_own_window_and_refuses_another_ranks(
     assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[0]
     assert "another rank refused the checkpoint's open window" in refused0[1]
     assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[1]
+    assert all("records no rank" in r[2] for r in (refused0, refused1))

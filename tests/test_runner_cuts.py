@@ -166,3 +166,26 @@ def test_under_ddp_each_window_holds_n_rows_over_the_ranks(micro: int | str) -> 
     for params in results:
         for p, q in zip(params, ref.parameters()):
             torch.testing.assert_close(torch.tensor(p, dtype=torch.float64), q.detach().flatten())
+
+
+def test_the_search_starts_at_the_first_batch_not_at_a_cut() -> None:
+    """A first runner call that opens inside a window (a plain micro-step before it) cuts its
+    first micro-batch at the window's room; the size search still starts at the batch's rows,
+    so the first batch of new inputs runs whole, not from the cut upward."""
+    model: nn.Module = mlp(144).double()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+    sizes: list[int] = []
+
+    def loss_fn(b: tuple[Tensor, Tensor]) -> Tensor:
+        sizes.append(len(b[0]))
+        return ((model(b[0].mean(dim=2)) - b[1]) ** 2).sum()
+
+    x, y = (t.double() for t in data(144, 23))
+    acc.backward(((model(x[:1]) - y[:1]) ** 2).sum(), items=1)
+    acc.step()
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size="auto")
+    runner((x[1:16, :, None].expand(-1, -1, 3), y[1:16]))  # 15 rows: cut at 7, then 8
+    assert sizes == [7, 8] and acc.updates == 2
+    sizes.clear()
+    runner((x[15:23, :, None].expand(-1, -1, 5), y[15:23]))  # new inputs: a search from 15
+    assert sizes == [8] and acc.updates == 3
