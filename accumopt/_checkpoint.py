@@ -188,7 +188,9 @@ def _check_entry(
     if window is None:
         return None
     _check_position(window)
-    _check_rank(opt, window.get("rank"))
+    problem = _rank_problem(opt, window.get("rank"))
+    if problem is not None:
+        raise ValueError(problem)
     saved: tuple[object, ...] = (extra["every"], extra["every_items"], extra["reduction"])
     ours: tuple[object, ...] = opt._window.settings()
     scheduled = bool((extra.get("schedule") or {}).get("scheduled"))
@@ -241,15 +243,10 @@ def _check_position(window: dict[str, Any]) -> None:
         )
 
 
-def _check_rank(opt: AccumulatingOptimizer, saved: Any) -> None:
-    """Refuse an open window saved by another rank, or on another number of ranks: its partial
-    gradient and items are that rank's own (ValueError, nothing changed)."""
-    problem = _rank_problem(opt, saved)
-    if problem is not None:
-        raise ValueError(problem)
-
-
 def _rank_problem(opt: AccumulatingOptimizer, saved: Any) -> str | None:
+    """Why an open window saved by ``saved`` (``[rank, ranks]``, or None: not recorded) must
+    not load here: another rank's, or another number of ranks' (its partial gradient and items
+    are that rank's own); None where it may."""
     here = [opt._sync.rank, opt._sync.world_size]
     if saved is None or list(saved) == here:
         return None

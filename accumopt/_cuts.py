@@ -38,12 +38,9 @@ def fixed_pieces(
     the micro-steps before it were counted)."""
     offset = 0
     for piece, rows in rows_of.split(size):
-        fill = room(window, ranks)
-        if fill is not None and fill < rows:  # the window closes inside this piece
-            while fill is not None and fill < rows:
-                yield rows_of(offset, offset + fill), fill
-                offset, rows = offset + fill, rows - fill
-                fill = room(window, ranks)
-            piece = rows_of(offset, offset + rows)
-        yield piece, rows
+        cut = False
+        while (fill := room(window, ranks)) is not None and fill < rows:  # a window ends inside
+            yield rows_of(offset, offset + fill), fill
+            offset, rows, cut = offset + fill, rows - fill, True
+        yield (rows_of(offset, offset + rows) if cut else piece), rows
         offset += rows

@@ -104,15 +104,15 @@ def data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quiet_trainer(callbacks: list[Any] | None, **kwargs: Any) -> L.Trainer:
-    """A CPU Trainer without progress bar, logger, checkpointing or model summary."""
+    """A CPU Trainer without progress bar, logger or model summary (nor checkpointing, unless
+    ``enable_checkpointing=True``)."""
     return L.Trainer(
         accelerator="cpu",
         enable_progress_bar=False,
         logger=False,
-        enable_checkpointing=False,
         enable_model_summary=False,
         callbacks=callbacks,
-        **kwargs,
+        **{"enable_checkpointing": False, **kwargs},
     )
 
 
@@ -271,14 +271,9 @@ def test_lightning_resume_from_a_checkpoint_saved_inside_a_window_is_exact(
             return super().training_step(batch, batch_idx)
 
     def trainer(*callbacks: Any) -> L.Trainer:
-        return L.Trainer(
-            accelerator="cpu",
-            enable_progress_bar=False,
-            logger=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            callbacks=[AccumulateCallback(), *callbacks],
-            max_epochs=EPOCHS,
+        every = [AccumulateCallback(), *callbacks]
+        return quiet_trainer(
+            every, enable_checkpointing=True, default_root_dir=tmp_path, max_epochs=EPOCHS
         )
 
     x, y = data()

@@ -165,7 +165,7 @@ class AccumulateCallback(pl.Callback):
         self._loop: Any = None  # the training epoch loop whose _should_accumulate is ours
         self._decision = (-1, False)  # (batch, accumulate?) decided at the batch's start
         self._flushed: dict[int, int] = {}  # id(wrapper) -> the batch whose step flushed it
-        self._handles: list[Any] = []  # the wrappers' load_state_dict post hooks
+        self._handles: list[Any] = []  # the wrappers' load_state_dict hooks
 
     # ------------------------------------------------------------------ Lightning hooks
 
