@@ -51,9 +51,9 @@ LR_CHANGED = (
 )
 
 FOREIGN_ACCUMULATION = (
-    "Accumulate: the wrapper is stepped by a {name} with its own gradient accumulation on "
-    "({steps} steps: the framework divides each loss by {steps} and steps every {steps}th "
-    "batch) on top of the wrapper's window, so every update would be 1/{steps} of the right "
+    "Accumulate: the wrapper is stepped by {name} with its own gradient accumulation on "
+    "({steps} steps: the framework divides each loss by {steps} and steps once per {steps} "
+    "batches) on top of the wrapper's window, so every update would be 1/{steps} of the right "
     "one (or the window would hold {steps} times the micro-batches). Nothing was applied; "
     "expected the framework's accumulation off (gradient_accumulation_steps=1) and the "
     "window in Accumulate only, or the adapter in "
@@ -361,10 +361,10 @@ def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:
     for _ in range(12):
         # only the frameworks' own frames: reading f_locals snapshots a frame's locals into
         # it (before Python 3.13), which would keep a caller's objects alive
-        if frame.f_globals.get("__name__", "").partition(".")[0] in _FRAMEWORKS:
+        if (framework := frame.f_globals.get("__name__", "").partition(".")[0]) in _FRAMEWORKS:
             name, steps = _accumulation_steps(frame.f_locals.get("self"), opt)
             if isinstance(steps, int) and steps > 1:
-                return FOREIGN_ACCUMULATION.format(name=name, steps=steps)
+                return FOREIGN_ACCUMULATION.format(name=f"{name} ({framework})", steps=steps)
         if frame.f_back is None:
             return None
         frame = frame.f_back

@@ -457,7 +457,7 @@ def test_lightning_accumulate_without_the_callback_raises_in_loss_over_items() -
 @pytest.mark.parametrize(
     ("setting", "match"),
     [
-        ({"accumulate_grad_batches": EVERY}, "its own gradient accumulation on"),
+        ({"accumulate_grad_batches": EVERY}, r"\(lightning\) with its own gradient"),
         ({"gradient_clip_val": 0.01}, "clipped inside the window"),
     ],
 )
