@@ -162,13 +162,17 @@ class BackwardCounter:
     def watch(self, params: Iterable[Tensor]) -> None:
         """Count backward passes into every parameter of ``params`` that requires grad
         (idempotent per parameter; call again for parameters unfrozen or added since); a no-op
-        once :meth:`remove` retired the counter."""
+        once :meth:`remove` retired the counter. With a module, a parameter outside it (a
+        learned temperature of the loss) is hooked as without one: a pass reaching it alone
+        counts, and one that dies after writing its gradient but before the module's outputs
+        leaves counting paused."""
         if self.retired:
             return
+        inside = set() if self._module is None else set(map(id, self._module.parameters()))
         for p in params:
             if p.requires_grad and id(p) not in self._watched:
                 self._watched.add(id(p))
-                if self._module is None:
+                if id(p) not in inside:  # no module, or a parameter outside it (see below)
                     hook = self._param_hook(p)
                     self._handles.append(p.register_hook(hook))  # type: ignore[no-untyped-call]
                 elif self._accumulators is not None:

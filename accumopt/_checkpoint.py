@@ -35,34 +35,28 @@ save time, in either form.
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from accumopt import _grads, _guards
-from accumopt._checks import positive_int
+from accumopt._entry_checks import KEY, check_entry, format_of
 from accumopt.integrations import dcp
 from accumopt.integrations.dcp import dcp_init_step as dcp_init_step  # for the wrapper's step()
 
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
 
-KEY = "accumopt"
 FORMAT = 3
-_READABLE = (1, 2, 3)
 
 
 def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
     """The inner optimizer's state dict plus one ``"accumopt"`` entry (the format above).
 
     Raises:
-        RuntimeError: a backward pass failed part-way and its partial gradient is still in
-            ``.grad`` (see ``discard``); a resumed run would train on it. Or an FSDP2 model's
-            open window is still inside FSDP2 (unreduced, see :func:`_check_savable`).
+        RuntimeError: as :func:`check_settled` (a partial gradient, a step() to retry, a
+            dropped micro-step the GradScaler has not seen); or an FSDP2 model's open window
+            is still inside FSDP2 (unreduced, see :func:`_check_savable`).
         ValueError: called by DCP with ``flatten_optimizer_state_dict=True`` (DCP would drop
             the entry at load).
 
@@ -73,7 +67,7 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
     ``get_optimizer_state_dict``, the entry is packed into the first param group (see above;
     mid-window on several ranks, a collective of all ranks, as DCP's own calls are).
     """
-    opt._check_not_paused("state_dict")  # a partial gradient must not be saved as the window
+    check_settled(opt, "state_dict")
     _check_savable(opt)
     by_dcp = dcp.caller_checked()  # refuses DCP's flattened form
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
@@ -129,7 +123,7 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     state_dict = dcp.unpack(opt, state_dict, KEY)
     extra = state_dict.get(KEY)
     params = _grads.params_of(opt.param_groups)
-    window = _check_entry(opt, extra, params)
+    window = check_entry(opt, extra, params)
     inner_state = {k: v for k, v in state_dict.items() if k != KEY}
     opt.optimizer.load_state_dict(inner_state)
     opt.updates = int(extra["updates"]) if extra else 0
@@ -141,16 +135,16 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     opt._window.restore_progress(progress)
     if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
         opt.noise_scale.load_state_dict(extra["noise_scale"])
-    # a restored window starts from its own gradients only (none left from a live window or
-    # from the last update before zero_grad())
-    opt._restart(clear_grads=bool(opt._window.micro_step) or window is not None)
+    # a restored window starts from its own gradients only: none left from a live window, the
+    # last update before zero_grad(), or a backward pass that failed part-way
+    opt._restart(clear_grads=True)
     if window is not None:
         opt._window.restore(window)
         with torch.no_grad():
             for i, g in window["grads"].items():
                 params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
         opt._buffer.restore(window, params)
-        opt._sync.restored(opt._window, items_global=_format(extra or {}) < 3)
+        opt._sync.restored(opt._window, items_global=format_of(extra or {}) < 3)
         opt._plan_sync()
     # The loaded gradients are noted afresh, so that a wipe before the window's close (a
     # framework's zero_grad) is refused; not its learning rates: a scheduler is often loaded
@@ -163,145 +157,6 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         guard.lrs, guard.schedulers = unmarked
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
-
-
-def _format(extra: dict[str, Any]) -> Any:
-    """The entry's format number (format 1 called it ``"version"``)."""
-    return extra.get("format", extra.get("version"))
-
-
-def _check_entry(
-    opt: AccumulatingOptimizer, extra: Any, params: list[Tensor]
-) -> dict[str, Any] | None:
-    """The checkpoint's open window, if any, after checking that it fits this wrapper."""
-    if extra is None:
-        return None
-    fmt = _format(extra)
-    if fmt not in _READABLE:
-        raise ValueError(
-            f"Accumulate.load_state_dict: the checkpoint's accumopt entry has format {fmt!r}; "
-            f"expected one of {_READABLE} (this accumopt reads those). Load it with the "
-            "accumopt version that wrote it, or save at an accumulation boundary and load the "
-            "inner optimizer's state alone."
-        )
-    window: dict[str, Any] | None = extra.get("window")
-    if window is None:
-        return None
-    _check_position(window)
-    problem = _rank_problem(opt, window.get("rank"))
-    if problem is not None:
-        raise ValueError(problem)
-    saved: tuple[object, ...] = (extra["every"], extra["every_items"], extra["reduction"])
-    ours: tuple[object, ...] = opt._window.settings()
-    scheduled = bool((extra.get("schedule") or {}).get("scheduled"))
-    if scheduled or opt._window.schedule is not None:  # the open window's size is restored
-        saved = ("schedule" if scheduled else saved[0], saved[1] is None, saved[2])
-        ours = ("schedule" if opt._window.schedule else ours[0], ours[1] is None, ours[2])
-    if saved != ours:
-        raise ValueError(
-            f"Accumulate.load_state_dict: the checkpoint holds an open window saved with "
-            f"(every, every_items, reduction)={saved!r}, this wrapper has {ours!r}; "
-            "expected the same settings to resume mid-window. Rebuild the wrapper with "
-            "the saved settings, or save at an accumulation boundary."
-        )
-    for kind in ("grads", "buffer"):
-        for i, tensor in window[kind].items():
-            if i >= len(params) or tuple(tensor.shape) != tuple(params[i].shape):
-                have = f"shape {tuple(params[i].shape)}" if i < len(params) else "no such one"
-                raise ValueError(
-                    f"Accumulate.load_state_dict: the checkpoint's window holds a gradient of "
-                    f"shape {tuple(tensor.shape)} for parameter {i}, this optimizer has {have} "
-                    f"({len(params)} parameters); expected the same model and parameter "
-                    "groups as when it was saved. Nothing was changed."
-                )
-    return window
-
-
-def _check_position(window: dict[str, Any]) -> None:
-    """Refuse a window position no wrapper writes (a damaged or edited checkpoint)."""
-    items = window.get("items")
-    problems = {
-        "micro_step": not positive_int(window.get("micro_step")),
-        "items": isinstance(items, bool)
-        or not isinstance(items, numbers.Real)
-        or not math.isfinite(items)
-        or items < 0,
-        "weighted": window.get("weighted") not in (None, True, False),
-        "closed": not isinstance(window.get("closed"), bool),
-        "stepped": not isinstance(window.get("stepped"), bool),
-        "unfolded": not (window.get("unfolded", 0) == 0 or positive_int(window.get("unfolded"))),
-        "rank": window.get("rank") is not None and not _is_place(window.get("rank")),
-    }
-    bad = [f"{key}={window.get(key)!r}" for key, wrong in problems.items() if wrong]
-    if bad:
-        raise ValueError(
-            f"Accumulate.load_state_dict: the checkpoint's open window has {', '.join(bad)}; "
-            "expected micro_step an int >= 1, items a finite number >= 0, weighted None or a "
-            "bool, closed and stepped bools, unfolded an int >= 0, rank [rank, ranks] (ints, "
-            "0 <= rank < ranks), as state_dict() writes them. "
-            "The checkpoint was changed or damaged: load an intact one. Nothing was changed."
-        )
-
-
-def _rank_problem(opt: AccumulatingOptimizer, saved: Any) -> str | None:
-    """Why an open window saved by ``saved`` (``[rank, ranks]``, or None: not recorded) must
-    not load here: another rank's, or another number of ranks' (its partial gradient and items
-    are that rank's own); None where it may."""
-    here = [opt._sync.rank, opt._sync.world_size]
-    if saved is None or list(saved) == here:
-        return None
-    return (
-        f"Accumulate.load_state_dict: the checkpoint's open window was saved by rank "
-        f"{saved[0]} of {saved[1]}, and is loaded on rank {here[0]} of {here[1]} (ranks of the "
-        "wrapper's DDP/FSDP2 model; 0 of 1 without one); its partial gradient and items are "
-        f"the saving rank's own, and training on them here would give a wrong update. {_OWN}"
-    )
-
-
-_OWN = (
-    "Expected each rank to load the state dict it saved itself, on as many ranks, with the "
-    "model given to the wrapper (model= or set_model) before loading. A framework that saves "
-    "rank 0's optimizer state alone (Lightning's DDP) can resume from a checkpoint saved at an "
-    "accumulation boundary only (opt.micro_step == 0, e.g. right after an update). Nothing was "
-    "changed."
-)
-
-
-def owners_agree(all_ranks: Callable[[bool], bool]) -> Callable[[Any, Any], None]:
-    """A ``load_state_dict`` pre-hook for a framework that loads one rank's optimizer state on
-    every rank (Lightning's DDP saves rank 0's alone): the ranks agree (``all_ranks(ok)``, a
-    collective: True where it is True on every rank) whether each loads an open window it
-    saved itself, and every rank raises ValueError if one does not; no rank goes on to wait
-    in a collective for one that raised."""
-
-    def hook(opt: Any, state: Any) -> None:
-        entry = state.get(KEY) if isinstance(state, dict) else None
-        window = entry.get("window") if isinstance(entry, dict) else None
-        saved = window.get("rank") if isinstance(window, dict) else None
-        problem = _rank_problem(opt, saved) if _is_place(saved) else None
-        if window is not None and saved is None:  # written before windows recorded a rank
-            problem = (
-                "Accumulate.load_state_dict: the checkpoint's open window records no rank "
-                "(written before accumopt recorded it), and every rank is loading it: it is one "
-                f"rank's partial gradient and items, wrong on the others. {_OWN}"
-            )
-        if not all_ranks(problem is None):
-            raise ValueError(
-                problem
-                or "Accumulate.load_state_dict: another rank refused the checkpoint's open "
-                f"window, saved by one rank (here: {saved!r}) and loaded on every rank (see "
-                f"that rank's error): its partial gradient and items are one rank's. {_OWN}"
-            )
-
-    return hook
-
-
-def _is_place(place: Any) -> bool:
-    """Whether ``place`` is ``[rank, ranks]`` as :func:`state_dict` writes it."""
-    if not isinstance(place, (list, tuple)) or len(place) != 2:
-        return False
-    rank, ranks = place
-    return positive_int(ranks) and isinstance(rank, int) and 0 <= rank < ranks
 
 
 def _check_savable(opt: AccumulatingOptimizer) -> None:
@@ -335,10 +190,37 @@ _SETTINGS = (
 )
 
 
+def check_settled(opt: AccumulatingOptimizer, api: str) -> None:
+    """Refuse to save (``api``: ``state_dict``, ``copy``) a wrapper whose state is not what a
+    checkpoint holds: a backward pass failed part-way (its partial gradient is in ``.grad``);
+    a ``step()`` raised after the window's update began (whether it was applied, whether the
+    gradient was unscaled and clipped: the retry's bookkeeping); a micro-step dropped for an
+    inf/NaN that waits for ``scaler.step(opt)``. A resumed run would train on each of them
+    wrongly. RuntimeError, nothing changed."""
+    opt._check_not_paused(api)
+    window, buffer = opt._window, opt._buffer
+    if window.closed and (window.inner_base is not None or buffer.unscaled or buffer.final):
+        raise RuntimeError(
+            f"Accumulate.{api}: the window's update began in a step() that raised (its "
+            f"update {'was' if window.done else 'was not'} applied); which parts of it are done "
+            "is not part of a checkpoint, and a run resumed from one would apply or unscale "
+            "the window a second time. Expected step() again (scaler.step(opt) under AMP, or "
+            "flush() again after a flush()) to finish it first, then save. Nothing was saved."
+        )
+    if opt._drop_at_step:
+        raise RuntimeError(
+            f"Accumulate.{api}: a micro-step with an inf/NaN gradient waits for "
+            "scaler.step(opt), which backs off the loss scale and drops it there; a checkpoint "
+            "taken now would keep it in the window. Expected scaler.step(opt) and "
+            "scaler.update() first, then save. Nothing was saved."
+        )
+
+
 def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
     """What ``copy.deepcopy`` and pickling keep of a wrapper. A whitelist: an LR scheduler
     patches ``step`` on the instance with a closure over a weakref, which must neither be
-    pickled nor shared by a deep copy."""
+    pickled nor shared by a deep copy. Refused as :func:`check_settled` (RuntimeError)."""
+    check_settled(opt, "copy (deepcopy or pickle)")
     params = _grads.params_of(opt.param_groups)
     every, every_items = opt._window.spec()  # the schedule, if any
     settings = {"every": every, "every_items": every_items, "reduction": opt.reduction}

@@ -8,12 +8,11 @@ breaks that silently: ``model.zero_grad()`` or a framework's own zeroing after e
 optimizer stepped directly, a second live wrapper. :class:`WindowGuard` notes the state after
 a window's first micro-step (or a loaded window) and checks it once, at its close.
 
-What it cannot see: a gradient zeroed in place in a window where that parameter was not reached
-by some micro-step (its version counter is then within the allowance), a sparse gradient set to
-None whose later micro-steps reached every row the first one did (sparse accumulation may
-replace the tensor: a replacement that kept those rows passes), an LR held in a tensor and
-changed in place. Under DDP with ``gradient_as_bucket_view=True`` and under FSDP2 the closing
-pass replaces ``.grad`` legitimately: only the learning rate is checked there."""
+What it cannot see: a gradient zeroed in place where some micro-step did not reach it (its
+version counter is within the allowance), a sparse gradient set to None whose later micro-steps
+reached every row the first one did, an LR held in a tensor and changed in place. Under DDP with
+``gradient_as_bucket_view=True`` and FSDP2 the closing pass replaces ``.grad`` legitimately:
+only the learning rate is checked there."""
 
 from __future__ import annotations
 
@@ -98,6 +97,7 @@ class WindowGuard:
         self.stride = 1
         self.lrs: list[Any] | None = None
         self.micro_step = 0  # the window's micro-steps when they were noted
+        self.absorbed = 0  # passes since, part of a micro-step of several (accumopt.apply)
         # LR schedulers stepping the wrapper (weakly), their last_epoch when noted (or None)
         self.schedulers: list[tuple[weakref.ref[Any], int | None]] = []
         self.step_called = False  # torch's LRScheduler handshake (see scheduler_handshake)
@@ -122,7 +122,7 @@ class WindowGuard:
             micro_step: the window's micro-steps so far (1).
         """
         self.lrs = [g.get("lr") for g in groups]
-        self.micro_step = micro_step
+        self.micro_step, self.absorbed = micro_step, 0
         self.schedulers = [(ref, getattr(ref(), "last_epoch", None)) for ref, _ in self.schedulers]
         if in_grad is None:
             self.params = None
@@ -150,7 +150,7 @@ class WindowGuard:
         """
         if not self.params:
             return None
-        passes = micro_step - self.micro_step + extra_writes  # accumulations since the note
+        passes = micro_step - self.micro_step + extra_writes + self.absorbed  # since the note
         if not any(map(is_not, now, self.grads)):
             grown = map(sub, map(_VERSION, now[:: self.stride]), self.versions)
             if max(grown) <= passes:

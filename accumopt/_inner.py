@@ -1,9 +1,10 @@
 """The optimizer step hooks accumopt relies on: the inner optimizer's real steps, as a
 post-step hook sees them, and whether step hooks exist at all.
 
-torch runs an optimizer's post-step hooks after its update: when ``inner.step()`` raises, a
-count taken by a hook that runs first tells whether the update was applied (a later hook
-raised) or not (the step itself failed), so the wrapper never applies one window twice.
+torch runs an optimizer's post-step hooks after its update, its own ones first, then the global
+ones (``register_optimizer_step_post_hook``): when ``inner.step()`` raises, a count taken by a
+hook that runs first tells whether the update was applied (a later hook raised) or not (the
+step itself failed), so the wrapper never applies one window twice.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def any_step_hooks(opt: torch.optim.Optimizer) -> bool:
 
 def watch_steps(inner: torch.optim.Optimizer, owner: object) -> list[int]:
     """A one-element list counting ``inner``'s completed updates, kept by a post-step hook
-    moved to the front of ``inner``'s post hooks and removed when ``owner`` is freed. Global
-    post hooks (``register_optimizer_step_post_hook``) still run before it.
+    moved to the front of ``inner``'s post hooks (so before every other post hook: torch runs
+    the global ones after the optimizer's own) and removed when ``owner`` is freed.
 
     A pre-step hook refuses a step of ``inner`` that ``owner`` did not start (its
     ``_inner_stepping`` is False): the inner optimizer stepped directly, on a partial window.

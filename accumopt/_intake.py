@@ -22,6 +22,7 @@ from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
+from accumopt.decorator import CALLS
 from accumopt.distributed import GradSync, LocalSync
 
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
@@ -165,15 +166,21 @@ class MicroStepIntake:
         """Count the micro-step whose backward pass ended, counting paused meanwhile; re-arm it
         after, if ``rearm``."""
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
-        refusal = self._window.refusal(items is not None)
-        if refusal is not None:
-            raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
-        # did_update describes the last step() until the next micro-step (gated loops)
-        self._window.stepped, self.did_update = False, False
-        if self._defer:
-            self._deferred = (items,)
-        else:
-            self._count(items)
+        group = CALLS.group  # the passes of one accumopt.apply call: one micro-step at its end
+        if group is None or all(opt is not self for opt, _ in group):
+            refusal = self._window.refusal(items is not None)
+            if refusal is not None:
+                raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
+            # did_update describes the last step() until the next micro-step (gated loops)
+            self._window.stepped, self.did_update = False, False
+            if self._defer:
+                self._deferred = (items,)
+            elif group is not None:
+                group.append((self, items))
+            else:
+                self._count(items)
+        else:  # another pass of a micro-step of several: one more accumulation into .grad
+            self._guard.absorbed += 1
         if rearm:
             self._counter.rearm()
 
@@ -284,4 +291,8 @@ class MicroStepIntake:
         """Count the micro-step kept back since its backward pass ended (if any)."""
         pending, self._deferred = self._deferred, None
         if pending is not None:
-            self._transaction(lambda: self._count(pending[0]))
+            self._commit_deferred_as(pending[0])
+
+    def _commit_deferred_as(self, items: float | None) -> None:
+        """Count a micro-step kept back since its backward passes ended, with ``items``."""
+        self._transaction(lambda: self._count(items))

@@ -53,9 +53,13 @@ def summed(loss: Tensor, items: float, params: Iterable[Tensor]) -> Tensor:
     """The summed loss of a micro-batch whose ``loss_fn`` returned the mean over its ``items``
     (``loss_reduction="mean"``): ``loss * items``. A mean over no item is 0/0, whose gradient
     is NaN, while its sum is 0: then an exact zero is backpropagated through ``params``
-    instead (every gradient written, as 0)."""
+    instead (each of their gradients written, as 0: give ``params`` where a DDP/FSDP2 reducer
+    waits for every gradient) or, with no ``params``, through a fresh leaf (no gradient is
+    written: a parameter no micro-batch reaches keeps ``.grad`` None, which optimizers such as
+    AdamW skip while they move one whose gradient is 0)."""
     if items == 0:
-        return sum((p.sum() for p in params if p.requires_grad), loss.new_zeros(())) * 0.0
+        leaf = loss.new_zeros((), requires_grad=True)
+        return sum((p.sum() for p in params if p.requires_grad), leaf) * 0.0
     return loss * items
 
 

@@ -5,8 +5,8 @@ each counted micro-step (with the item count summed over the ranks, if any) and 
 the window is full and what the window's summed gradient must be divided by. The rules:
 
 - A window is counted in micro-steps (``every=N``: closes at the N-th) or in items
-  (``every_items=T``: closes at the first micro-step whose running item total reaches T; a
-  micro-batch that overshoots brings all its items in).
+  (``every_items=T``: closes at the first micro-step whose running item total reaches T, up to
+  the float rounding of that sum; a micro-batch that overshoots brings all its items in).
 - Its micro-steps are of one kind: all *weighted* (``opt.backward(loss_sum, items=n)``) or all
   unweighted (plain ``loss.backward()`` of mean losses). A window in items takes only weighted
   ones.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -57,6 +58,9 @@ class WindowReport(NamedTuple):
     grad_norm: Tensor | None
     updated: bool
 
+
+_ROUNDING = 2.0 * sys.float_info.epsilon
+"""The relative rounding per float addition allowed for in :meth:`Window.full`."""
 
 _EMPTY = {
     "micro_step": 0,
@@ -231,11 +235,14 @@ class Window:
         return self.closed
 
     def full(self) -> bool:
-        """Whether the counted micro-steps (or items) reach the window's size."""
+        """Whether the counted micro-steps (or items) reach the window's size. A running sum of
+        fractional items falls short by its rounding (ten items of 0.1 sum to 0.999...9): one
+        short by at most ``micro_step`` roundings of the size reaches it (integer counts below
+        2**53 add exactly, so whole items close exactly at the size)."""
         if self.every is not None:
             return self.micro_step >= self.every
         assert self.every_items is not None
-        return self.items >= self.every_items
+        return self.items >= self.every_items * (1.0 - self.micro_step * _ROUNDING)
 
     def next_closes(self) -> bool:
         """Whether the next micro-step surely closes the window (known only for ``every=N``)."""

@@ -258,13 +258,15 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
 
     _profiled_step = torch.optim.Optimizer.profile_hook_step(_step)
 
-    def _finish_window(self, params: list[Tensor]) -> None:
-        """Step the inner optimizer on the window's gradient (or skip it), then reset.
+    def _finish_window(self, params: list[Tensor], clear_grads: bool = False) -> None:
+        """Step the inner optimizer on the window's gradient (or skip it), clear the gradients
+        if ``clear_grads`` (``flush()``), then reset.
 
         Retried after any failure (inside a transaction), it does what is left: whether the
         update was applied is read from the inner optimizer's step count against the count
         before the window's first attempt (so an update is never applied twice), and the skip
-        decision is taken once."""
+        decision is taken once. Until the reset the window stays closed (so a checkpoint
+        refuses it, see ``_checkpoint.check_settled``)."""
         window = self._window
         if window.inner_base is None:  # the first attempt
             window.inner_base = self._inner_steps[0]
@@ -274,26 +276,29 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if window.skip is None:
             finite = self.nonfinite == "skip_window"
             window.skip = window.divisor() is None or self._buffer.skip_window(params, finite)
-        if window.skip:
-            self.optimizer.zero_grad(set_to_none=True)
-            _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
-        elif self._inner_steps[0] == window.inner_base:
-            _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
-            self._consistent = False
-            self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even on a retry
-            self._inner_stepping = self._consistent = True
-            try:  # raising before or after updating, the window stays closed: step() retries
-                self.optimizer.step()
-            finally:
-                self._inner_stepping = False
-        if self._inner_steps[0] > window.inner_base:  # applied (a post hook may have raised)
-            self.updates, self.did_update = window.applied(self.updates), True
+        try:
+            if window.skip:
+                self.optimizer.zero_grad(set_to_none=True)
+                _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
+            elif self._inner_steps[0] == window.inner_base:
+                _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
+                self._consistent = False
+                self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even retried
+                self._inner_stepping = self._consistent = True
+                self.optimizer.step()  # raising before or after updating, the window stays
+        finally:  # closed (step() retries); applied is counted at once, a post hook raising
+            self._inner_stepping = False
+            if self._inner_steps[0] > window.inner_base:
+                self.updates, self.did_update = window.applied(self.updates), True
         self.last_window = window.report(self._buffer.grad_norm, self.did_update)
+        if clear_grads:  # before the reset: a failure here leaves the window closed, retried
+            self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()  # a schedule's bad size for the next one raises after it
 
     def flush(self) -> bool:
         """Apply the open, partial window now (epoch end), then clear the gradients; returns
-        whether it updated (:attr:`did_update`). RuntimeError after a failed pass (discard())."""
+        whether it updated (:attr:`did_update`). RuntimeError after a failed pass (discard());
+        when it raises after the update began, ``flush()`` again finishes it (never twice)."""
         self._check_not_paused("flush")
         self.did_update = False
         self._sync.release(self._window, flushing=True)  # all ranks flush; DDP syncs again
@@ -306,9 +311,8 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if not self._window.closed:
             self._close_window(params)
         self._buffer.unscale_closed(params)
-        self._finish_window(params)
+        self._finish_window(params, clear_grads=True)
         self._window.stepped = True
-        self.optimizer.zero_grad(set_to_none=True)
         return self.did_update
 
     def discard(self) -> None:

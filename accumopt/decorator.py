@@ -12,12 +12,15 @@ covered by a test:
 - every sample is processed (mbp with ``device_ids=[0, 1]`` silently processed half of them);
   several devices are not handled here: see :func:`accumopt.parallel_backward`;
 - a ``GradScaler`` can be passed (mbp calls ``backward`` itself on the raw loss);
-- bad calls raise ``TypeError``/``ValueError`` with a message (mbp uses ``assert``).
+- bad calls raise ``TypeError``/``ValueError`` with a message (mbp uses ``assert``);
+- under an ``Accumulate`` wrapper one call is one micro-step (its micro-batches' backward
+  passes are counted together when the call returns), not one per micro-batch.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +29,39 @@ from torch import Tensor
 
 from accumopt import _tree
 from accumopt._checks import positive_int
+
+
+class _Calls(threading.local):
+    """The running call of a decorated function, per thread: the ``Accumulate`` wrappers its
+    backward passes reached, each with the item count of its first pass (None: unweighted),
+    or None outside a call."""
+
+    group: list[tuple[Any, float | None]] | None = None
+
+
+CALLS = _Calls()
+"""Read by ``Accumulate`` at the end of each backward pass (see ``_intake``)."""
+
+
+def _run_as_one_micro_step(body: Callable[[], Any]) -> Any:
+    """Run ``body`` (a decorated call); the wrappers its passes reached count one micro-step
+    each when it returns, or, when it raises, refuse until ``discard()`` (their ``.grad`` may
+    hold part of the batch). A nested call is part of the outer one."""
+    if CALLS.group is not None:
+        return body()
+    group: list[tuple[Any, float | None]] = []
+    CALLS.group = group
+    try:
+        result = body()
+    except BaseException:
+        for opt, _ in group:  # as after a backward pass that failed part-way
+            opt._counter.pause("")
+        raise
+    finally:
+        CALLS.group = None
+    for opt, items in group:
+        opt._commit_deferred_as(items)
+    return result
 
 
 def apply(
@@ -47,6 +83,10 @@ def apply(
         device_ids: accepted for signature compatibility with mbp-pytorch; only ``None``.
         scaler: a ``torch.amp.GradScaler``: each micro-batch's weighted loss is scaled
             before its backward; then call ``scaler.step(opt); scaler.update()`` as usual.
+
+    With an ``accumopt.Accumulate`` wrapper over the parameters, each call is one micro-step
+    (the backward passes of its micro-batches together, counted when it returns; when the call
+    raises, the wrapper refuses until ``discard()``): call ``opt.step()`` after each call.
 
     Returns:
         A decorator. The decorated function returns the batch's mean loss (a detached 0-dim
@@ -72,6 +112,9 @@ def apply(
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return _run_as_one_micro_step(lambda: run(*args, **kwargs))
+
+        def run(*args: Any, **kwargs: Any) -> Any:
             missing = [name for name in batch_names if name not in kwargs]
             if missing:
                 raise TypeError(

@@ -26,14 +26,12 @@ value is asked for.
 
 Assumptions and known bias:
 
-- The items of a window are i.i.d. draws, and the weights do not move within a window (true:
-  the window is one update). Items correlated within a micro-batch (the tokens of one
-  sequence) make ``tr(Σ)`` per token too small; sampling without replacement from a small
-  dataset shrinks both noise terms (finite-population correction, ignored).
-- The ratio of two unbiased averages is not unbiased: ``E[a]/E[b] != E[a/b]``; taking the ratio
-  of the averages (not the average of per-window ratios, which explodes when a window's
-  ``|G|²`` estimate is near 0) keeps the bias small once ``|G|²`` is averaged over enough windows.
-  The parameters change between windows, so the averages mix recent weights (``decay``).
+- The items of a window are i.i.d. draws and the weights do not move within it (one update).
+  Items correlated within a micro-batch (one sequence's tokens) make ``tr(Σ)`` per token too
+  small; sampling a small dataset without replacement shrinks both (finite population).
+- The ratio of two unbiased averages is biased (``E[a]/E[b] != E[a/b]``); the ratio of the
+  averages (not the average of per-window ratios, which explodes when one ``|G|²`` is near 0)
+  keeps it small over enough windows, which mix recent weights (``decay``).
 - A window of one micro-step has one batch size only and adds nothing (except under DDP with
   accumopt's own boundary all-reduce, where each rank's share is the small batch). A first
   micro-step DDP synchronised itself (``every=1``) adds nothing either.
@@ -72,22 +70,15 @@ class NoiseScale:
     Args:
         decay: the EMA decay per measured window, in [0, 1); None: the plain mean over all
             windows.
-        every_windows: which windows are measured. None (default): a window is measured
-            when at least ``MIN_MICRO_STEPS`` (16) micro-steps were counted since the last
-            measured window began: every window once windows hold 16 micro-steps or more,
-            one in ``ceil(16 / k)`` windows of k micro-steps (one in 4 at k = 4), the first
-            window always. An int >= 1: one window in this many (1: every window). Each
-            measured window costs two squared-norm passes over the gradients: fused on a
-            GPU; on a CPU, small gradients are stacked by shape and dotted (about 0.2 us
-            per parameter tensor and pass in isolation, 0.1-0.2 ms per measured window on
-            100 small tensors inside a training loop), large ones take a norm per tensor. A
-            window that is not measured costs nothing. The default keeps the cost under 1 %
-            per micro-step even on ``bench/``'s cheapest model (100 tiny tensors, where
-            measuring every window of 4 micro-steps costs 2-3 %); ``every_windows=1`` gives
-            more estimates when compute per parameter tensor is larger.
-            ``bench/bench_noise_scale.py`` measures both. The decay applies per measured
-            window. Under DDP every rank measures the same windows (they count the same
-            micro-steps).
+        every_windows: which windows are measured. None (default): one per
+            ``MIN_MICRO_STEPS`` (16) micro-steps counted since the last measured window began
+            (every window of 16 micro-steps or more, one in ``ceil(16 / k)`` of k, the first
+            always); an int >= 1: one window in this many. A measured window costs two
+            squared-norm passes over the gradients (fused on a GPU; on a CPU 0.1-0.2 ms per
+            window on 100 small tensors), an unmeasured one nothing: the default keeps the cost
+            under 1 % per micro-step even on ``bench/``'s cheapest model (2-3 % measuring every
+            window of 4 micro-steps: ``bench/bench_noise_scale.py``). The decay applies per
+            measured window. Under DDP every rank measures the same windows.
 
     Attributes:
         windows (int): windows that gave an estimate (property).
@@ -113,8 +104,7 @@ class NoiseScale:
             )
         self.decay, self.every_windows = decay, every_windows
         self._seen = 0  # windows closed so far: window i is measured when i % every_windows == 0
-        # every_windows=None: micro-steps counted since the last measured window began
-        self._since = self.MIN_MICRO_STEPS
+        self._since = self.MIN_MICRO_STEPS  # None: micro-steps since the last measured began
         self._windows = 0
         self._last: tuple[float, float] | None = None
         self._per_step: float | None = None  # batch_per_micro_step
@@ -225,18 +215,30 @@ class NoiseScale:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the averages of :meth:`state_dict`."""
-        self.decay = state["decay"]
-        self._windows = int(state["windows"])
-        self._sums = [float(v) for v in state["sums"]]
-        self._last = None if state["last"] is None else tuple(state["last"])
-        self._per_step = state["batch_per_micro_step"]
-        every = state.get("every_windows", self.every_windows)
-        self.every_windows = None if every is None else int(every)
-        self._seen = int(state.get("seen", 0))
-        self._since = int(state.get("since", self.MIN_MICRO_STEPS))
-        self._pending = self._small = None
-        self._first = False
+        """Resume the averages of :meth:`state_dict` (:meth:`read_state`'s ValueError)."""
+        self.__dict__.update(self.read_state(state))
+
+    def read_state(self, state: Any) -> dict[str, Any]:
+        """The attributes :meth:`load_state_dict` sets from ``state``; ValueError where a field
+        is missing or of the wrong type."""
+        try:
+            every, last, sums = state.get("every_windows"), state["last"], state["sums"]
+            return {
+                "decay": state["decay"] if state["decay"] is None else float(state["decay"]),
+                "_windows": int(state["windows"]),
+                "_sums": [float(sums[0]), float(sums[1]), float(sums[2])],
+                "_last": None if last is None else (float(last[0]), float(last[1])),
+                "_per_step": state["batch_per_micro_step"],
+                "every_windows": None if every is None else int(every),
+                "_seen": int(state.get("seen", 0)),
+                "_since": int(state.get("since", self.MIN_MICRO_STEPS)),
+                **{"_pending": None, "_small": None, "_first": False},
+            }
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"NoiseScale.load_state_dict: a damaged state ({type(err).__name__}: {err}); "
+                "expected the dict of state_dict(). Nothing was changed."
+            ) from None
 
     def __getstate__(self) -> dict[str, Any]:
         self._read()

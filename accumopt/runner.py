@@ -45,22 +45,21 @@ class MicroBatchRunner:
     with ``every_items=N`` (items per update; with ``every=k`` an update would cover k
     micro-batches of whatever size). A micro-batch is cut where the window fills at one item
     per row (:mod:`accumopt._cuts`): a window of rows holds exactly N of them, whatever the
-    micro-batch size. A micro-batch attempt that runs out of memory
-    leaves no trace: its gradient is dropped, and the buffers its forward pass updated
-    (BatchNorm running statistics and ``num_batches_tracked``, any registered buffer of the
-    model) and the random number generators it drew from (the CPU generator; the default CUDA
-    generator of each CUDA device the model, the parameters or ``device`` are on) are restored
-    from a snapshot taken before each attempt (see :mod:`accumopt._module_state`), so the run
-    equals one that used the final sizes from the start. Buffers need the model: ``model=``
-    here, else the wrapper's (``model=`` or ``set_model``, at the time of the attempt);
-    without either only gradients and generators are restored. Once a size has run for the
-    batch's inputs, a window the call opens at that size runs without the rollback buffer and
-    without a snapshot per attempt (one per window): its micro-steps add up in ``.grad`` as in
-    a plain loop. Should one of them run out of memory after all (memory got scarcer), the
-    window is dropped and run again from its first row at a smaller size, from that snapshot:
-    nothing is lost or counted twice, and its earlier micro-batches are computed twice. Probes
-    of a larger size (``grow_after``), a window carried over from the previous call, DDP and
-    a ``GradScaler`` keep the buffer.
+    micro-batch size. A micro-batch attempt that runs out of memory leaves no trace: its
+    gradient is dropped, and the buffers its forward pass updated (BatchNorm running statistics
+    and ``num_batches_tracked``, any registered buffer of the model) and the random number
+    generators it drew from (the CPU generator; the default CUDA generator of each CUDA device
+    the model, the parameters or ``device`` are on) are restored from a snapshot taken before
+    each attempt (see :mod:`accumopt._module_state`), so the run equals one that used the final
+    sizes from the start. Buffers need the model: ``model=`` here, else the wrapper's
+    (``model=`` or ``set_model``, at the time of the attempt); without either only gradients and
+    generators are restored. Once a size has run for the batch's inputs, a window the call opens
+    at that size runs without the rollback buffer and without a snapshot per attempt (one per
+    window): its micro-steps add up in ``.grad`` as in a plain loop. Should one of them run out
+    of memory after all (memory got scarcer), the window is dropped and run again from its first
+    row at a smaller size, from that snapshot: nothing is lost or counted twice, and its earlier
+    micro-batches are computed twice. Probes of a larger size (``grow_after``), a window carried
+    over from the previous call, DDP and a ``GradScaler`` keep the buffer.
 
     Example:
         >>> import torch
@@ -272,7 +271,7 @@ class MicroBatchRunner:
             try:
                 piece = rows_of(offset, offset + size)
                 result = self._forward_backward(piece, size, totals.first, scaler)
-            except Exception as err:  # re-raised below unless it is an OOM we handle
+            except BaseException as err:  # re-raised below unless it is an OOM we handle
                 if not is_oom(err):
                     self._undo(state, opened, offset)
                     raise
@@ -349,8 +348,9 @@ class MicroBatchRunner:
                 "micro-batch's (other keys or leaves); expected one structure for every "
                 f"micro-batch with return_outputs=True. {NOT_TRAINED}"
             )
-        if self.loss_reduction == "mean":
-            loss = summed(loss, items, (p for g in opt.param_groups for p in g["params"]))
+        if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
+            params = [] if opt._ranks is None else opt.param_groups
+            loss = summed(loss, items, (p for g in params for p in g["params"]))
         opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
         return loss.detach(), items, out
 

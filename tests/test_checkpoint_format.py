@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +131,54 @@ def test_a_window_without_a_rank_loads_as_before() -> None:
     fresh = Accumulate(torch.optim.SGD(_model().parameters(), lr=0.1), every=2)
     fresh.load_state_dict(state)
     assert fresh.micro_step == 1
+
+
+def _noise(state: dict) -> None:
+    state["noise_scale"]["sums"] = [1.0]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda e: e.update(updates="12"),
+        lambda e: e.pop("updates"),
+        lambda e: e.update(updates=-1),
+        lambda e: e["schedule"].update(updates=None),
+        lambda e: e["schedule"].update(items_seen=float("nan")),
+        lambda e: e["window"].update(found_inf=1.0),
+        lambda e: e["window"].update(grads={"0": torch.zeros(4, 3)}),
+        lambda e: e["window"].update(buffer=[]),
+        lambda e: e.update(window="open"),
+        _noise,
+    ],
+    ids=[
+        "updates-str",
+        "updates-missing",
+        "updates-negative",
+        "schedule-updates",
+        "schedule-items",
+        "found_inf",
+        "grads-key",
+        "buffer-list",
+        "window-str",
+        "noise-sums",
+    ],
+)
+def test_a_damaged_entry_is_refused_before_anything_is_loaded(damage: Any) -> None:
+    """Each field is checked before the inner optimizer, the window or the noise-scale averages
+    load: a ValueError that names the field, and the wrapper exactly as before."""
+    model = _model()
+    opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=2, noise_scale=True)
+    for _ in range(3):  # one update (AdamW state), then one micro-step of the next window
+        model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = copy.deepcopy(opt.state_dict())
+    damage(state["accumopt"])
+    fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=2, noise_scale=True)
+    opt = None  # only the fresh wrapper counts from here
+    before = copy.deepcopy(fresh.optimizer.state_dict())
+    with pytest.raises(ValueError, match="damaged"):
+        fresh.load_state_dict(state)
+    assert fresh.optimizer.state_dict() == before and fresh.updates == 0
+    assert fresh.micro_step == 0 and fresh.noise_scale.windows == 0  # type: ignore[union-attr]

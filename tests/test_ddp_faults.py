@@ -134,7 +134,7 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     import torch.distributed as dist
 
     from accumopt import Accumulate
-    from accumopt._checkpoint import owners_agree
+    from accumopt._entry_checks import owners_agree
 
     def wrapper() -> tuple[nn.Module, Any]:
         ddp = nn.parallel.DistributedDataParallel(net())

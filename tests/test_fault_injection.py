@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from accumopt import Accumulate, _grads
 from accumopt._window import Window
@@ -152,7 +153,9 @@ def test_an_exception_anywhere_leaves_the_wrapper_done_or_refusing_and_updates_e
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
-@pytest.mark.parametrize("where", ["inner step", "inner pre-hook", "inner post-hook"])
+@pytest.mark.parametrize(
+    "where", ["inner step", "inner pre-hook", "inner post-hook", "global post-hook"]
+)
 def test_an_exception_in_the_inner_optimizer_or_its_hooks_is_retried_exactly(
     where: str, error: BaseException
 ) -> None:
@@ -178,10 +181,17 @@ def test_an_exception_in_the_inner_optimizer_or_its_hooks_is_retried_exactly(
     opt = Accumulate(inner, every=3)
     if where == "inner post-hook":  # the update is applied, then the hook raises
         inner.register_step_post_hook(maybe_raise)
-    applied, failures = train(opt, model)
+    handle = None
+    if where == "global post-hook":  # run by torch after the optimizer's own post hooks
+        handle = register_optimizer_step_post_hook(maybe_raise)
+    try:
+        applied, failures = train(opt, model)
+    finally:
+        if handle is not None:
+            handle.remove()
     assert failures == 1
     expected = reference(applied, None)
-    if where == "inner post-hook":  # torch applied the update before its hook raised
+    if where.endswith("post-hook"):  # torch applied the update before its hook raised
         assert opt.updates == len(applied)
     for p, q in zip(model.parameters(), expected):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

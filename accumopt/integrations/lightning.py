@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from accumopt import _binding
-from accumopt._checkpoint import owners_agree
+from accumopt._entry_checks import owners_agree
 from accumopt.accumulate import AccumulatingOptimizer
 
 try:
