@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accumopt import _checks, noise
+from accumopt import _checks, _noise_attach
 from accumopt._backward_counter import BackwardCounter
 from accumopt._grads import params_of
 from accumopt.distributed import GradSync, LocalSync, is_distributed, sync_for
@@ -70,7 +70,7 @@ def bind(
     opt.model, opt._sync, opt._counter = model, sync, counter
     opt._plan_sync()
     if opt.__dict__.get("noise_scale") is not None:  # its hooks live on the sync object
-        opt.noise_scale = noise.attach(opt, opt.noise_scale)
+        opt.noise_scale = _noise_attach.attach(opt, opt.noise_scale)
 
 
 def release(opt: AccumulatingOptimizer) -> None:

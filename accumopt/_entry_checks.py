@@ -5,6 +5,7 @@ number of ranks. All of it runs before ``load_state_dict`` changes anything."""
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from accumopt._checks import positive_int
+from accumopt._window import reaches
 
 if TYPE_CHECKING:
     from accumopt.accumulate import AccumulatingOptimizer
@@ -65,6 +67,7 @@ def check_entry(
             "expected the same settings to resume mid-window. Rebuild the wrapper with "
             "the saved settings, or save at an accumulation boundary."
         )
+    _check_size(opt, window, extra)
     for kind in ("grads", "buffer"):
         for i, tensor in window[kind].items():
             if i >= len(params) or tuple(tensor.shape) != tuple(params[i].shape):
@@ -129,6 +132,39 @@ def _check_fields(opt: AccumulatingOptimizer, extra: dict[str, Any]) -> None:
         )
     if opt.noise_scale is not None and extra.get("noise_scale") is not None:
         opt.noise_scale.read_state(extra["noise_scale"])  # ValueError where it is damaged
+    state = (schedule or {}).get("schedule_state")
+    if state is not None and callable(getattr(opt._window.schedule, "load_state_dict", None)):
+        try:  # loaded into a copy: the schedule itself is changed only once all is checked
+            copy.deepcopy(opt._window.schedule).load_state_dict(state)  # type: ignore[union-attr]
+        except Exception as err:
+            raise ValueError(
+                f"Accumulate.load_state_dict: the checkpoint's schedule state "
+                f"{str(state)[:200]} does not load into {opt._window.schedule!r} "
+                f"({type(err).__name__}: {err}); expected the state_dict() of the same "
+                "schedule. The checkpoint was changed or damaged. Nothing was changed."
+            ) from None
+
+
+def _check_size(opt: AccumulatingOptimizer, window: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Refuse an open window whose size this wrapper cannot have (its schedule's bounds), or
+    whose ``closed`` disagrees with its count: a full window is closed, a closed one full."""
+    in_items = opt._window.in_items
+    size = window.get("size")
+    if size is None:  # formats 1-2: the settings it was saved with
+        size = extra.get("every_items" if in_items else "every")
+    every, every_items = (None, size) if in_items else (size, None)
+    micro_step, items = window["micro_step"], window["items"]
+    ok = opt._window.size_problem(size) is None and (in_items or micro_step <= size)
+    if ok:
+        ok = window["closed"] == reaches(micro_step, items, every, every_items)
+    if not ok:
+        raise ValueError(
+            f"Accumulate.load_state_dict: the checkpoint's open window of size {size!r} has "
+            f"micro_step={micro_step!r}, items={items!r}, closed={window['closed']!r}; expected "
+            "a size this wrapper can have and a window closed exactly when it is full, as "
+            "state_dict() writes it. The checkpoint was changed or damaged: load an intact "
+            "one. Nothing was changed."
+        )
 
 
 def _check_position(window: dict[str, Any]) -> None:

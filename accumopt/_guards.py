@@ -233,7 +233,8 @@ def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor
         return None
     now = list(map(_GRAD, guard.params))
     micro_step = opt._window.micro_step
-    problem = guard.wiped(micro_step, opt._sync.grad_writes(micro_step), now)
+    writes = opt._sync.grad_writes(micro_step)  # with a sync, an absorbed pass may write back
+    problem = guard.wiped(micro_step, writes + guard.absorbed if writes else 0, now)
     if problem is not None:
         opt._counter.pause("wiped")
         raise RuntimeError(problem)
@@ -348,9 +349,8 @@ def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:
     ``accumulate_grad_batches`` > 1 and ``opt`` among its optimizers. Found on the call stack
     by duck typing, so no framework is imported; None otherwise."""
     frame = sys._getframe(2)
-    # Who calls step(), past accumopt's and torch's own wrappers (a scheduler's,
-    # GradScaler.step): unless it is a framework's code, no framework steps the wrapper and
-    # the walk ends there (each frame looked at costs about 1 us: frames are built on demand)
+    # Who calls step(), past accumopt's and torch's own wrappers (a scheduler's, GradScaler's):
+    # unless a framework, none steps the wrapper (each frame costs ~1 us: built on demand)
     for _ in range(6):
         module = frame.f_globals.get("__name__", "")
         if not module.startswith(("accumopt.", "torch.")) or frame.f_back is None:

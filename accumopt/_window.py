@@ -39,6 +39,19 @@ SizeFn = Callable[[int, float], Any]
 (``every_items``) for the window that opens now."""
 
 
+_ROUNDING = 2.0 * sys.float_info.epsilon
+"""The relative rounding per float addition allowed for in :meth:`Window.full`."""
+
+
+def reaches(micro_step: int, items: float, every: int | None, every_items: float | None) -> bool:
+    """Whether ``micro_step`` micro-steps of ``items`` items reach a window of ``every``
+    micro-steps, or else of ``every_items`` items (see :meth:`Window.full`)."""
+    if every is not None:
+        return micro_step >= every
+    assert every_items is not None
+    return items >= every_items * (1.0 - micro_step * _ROUNDING)
+
+
 class WindowReport(NamedTuple):
     """What the last window that reached its boundary was (``Accumulate.last_window``): what
     frameworks log after an update.
@@ -58,9 +71,6 @@ class WindowReport(NamedTuple):
     grad_norm: Tensor | None
     updated: bool
 
-
-_ROUNDING = 2.0 * sys.float_info.epsilon
-"""The relative rounding per float addition allowed for in :meth:`Window.full`."""
 
 _EMPTY = {
     "micro_step": 0,
@@ -239,10 +249,7 @@ class Window:
         fractional items falls short by its rounding (ten items of 0.1 sum to 0.999...9): one
         short by at most ``micro_step`` roundings of the size reaches it (integer counts below
         2**53 add exactly, so whole items close exactly at the size)."""
-        if self.every is not None:
-            return self.micro_step >= self.every
-        assert self.every_items is not None
-        return self.items >= self.every_items * (1.0 - self.micro_step * _ROUNDING)
+        return reaches(self.micro_step, self.items, self.every, self.every_items)
 
     def next_closes(self) -> bool:
         """Whether the next micro-step surely closes the window (known only for ``every=N``)."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from accumopt import _binding, _checkpoint, _checks, _guards, _refusals, noise
+from accumopt import _binding, _checkpoint, _checks, _guards, _noise_attach, _refusals, noise
 from accumopt._grads import params_of
 from accumopt._inner import any_step_hooks, watch_steps
 from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
@@ -133,7 +133,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
         self._listed: list[Tensor] | None = None  # the last listing (_window_params)
         _binding.bind(self, model)  # sets model, _sync (DDP/FSDP2) and _counter
-        self.noise_scale = noise.attach(self, noise_scale)  # off: None, and nothing runs
+        self.noise_scale = _noise_attach.attach(self, noise_scale)  # off: None, and nothing runs
         _checks.claim(inner, self)
         self._inner_steps = watch_steps(inner, self)
 

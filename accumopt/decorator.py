@@ -31,12 +31,14 @@ from accumopt import _tree
 from accumopt._checks import positive_int
 
 
-class _Calls(threading.local):
-    """The running call of a decorated function, per thread: the ``Accumulate`` wrappers its
-    backward passes reached, each with the item count of its first pass (None: unweighted),
-    or None outside a call."""
+class _Calls:
+    """The running call of a decorated function: the ``Accumulate`` wrappers its backward
+    passes reached, each with the item count of its first pass (None: unweighted), or None
+    outside a call; and the thread that runs it. One per process, not per thread: autograd
+    runs the end-of-pass callbacks of a CUDA graph on its device thread."""
 
     group: list[tuple[Any, float | None]] | None = None
+    thread: int | None = None
 
 
 CALLS = _Calls()
@@ -45,22 +47,31 @@ CALLS = _Calls()
 
 def _run_as_one_micro_step(body: Callable[[], Any]) -> Any:
     """Run ``body`` (a decorated call); the wrappers its passes reached count one micro-step
-    each when it returns, or, when it raises, refuse until ``discard()`` (their ``.grad`` may
-    hold part of the batch). A nested call is part of the outer one."""
+    each when it returns, or, when anything raises before they all did, those left refuse
+    until ``discard()`` (their ``.grad`` may hold part of the batch). A nested call is part of
+    the outer one; a call from a second thread while one runs is refused (RuntimeError)."""
     if CALLS.group is not None:
+        if CALLS.thread != threading.get_ident():
+            raise RuntimeError(
+                "apply: a decorated function was called from a second thread while another "
+                "call runs; their backward passes could not be told apart under an Accumulate "
+                "wrapper. Expected one call at a time (one training thread)."
+            )
         return body()
     group: list[tuple[Any, float | None]] = []
-    CALLS.group = group
+    CALLS.group, CALLS.thread = group, threading.get_ident()
+    done = 0
     try:
         result = body()
+        for opt, items in group:
+            opt._commit_deferred_as(items)
+            done += 1
     except BaseException:
-        for opt, _ in group:  # as after a backward pass that failed part-way
+        for opt, _ in group[done:]:  # as after a backward pass that failed part-way
             opt._counter.pause("")
         raise
     finally:
-        CALLS.group = None
-    for opt, items in group:
-        opt._commit_deferred_as(items)
+        CALLS.group = CALLS.thread = None
     return result
 
 

@@ -149,7 +149,13 @@ def _noise(state: dict) -> None:
         lambda e: e["window"].update(grads={"0": torch.zeros(4, 3)}),
         lambda e: e["window"].update(buffer=[]),
         lambda e: e.update(window="open"),
+        lambda e: e["window"].update(closed=True),
+        lambda e: e["window"].update(size="three"),
+        lambda e: e["window"].update(micro_step=3),
         _noise,
+        lambda e: e["noise_scale"].update(decay=7.0),
+        lambda e: e["noise_scale"].update(every_windows=0),
+        lambda e: e["noise_scale"].update(batch_per_micro_step="2"),
     ],
     ids=[
         "updates-str",
@@ -161,7 +167,13 @@ def _noise(state: dict) -> None:
         "grads-key",
         "buffer-list",
         "window-str",
+        "window-closed-not-full",
+        "window-size",
+        "window-past-its-size",
         "noise-sums",
+        "noise-decay",
+        "noise-every",
+        "noise-per-step",
     ],
 )
 def test_a_damaged_entry_is_refused_before_anything_is_loaded(damage: Any) -> None:
@@ -182,3 +194,35 @@ def test_a_damaged_entry_is_refused_before_anything_is_loaded(damage: Any) -> No
         fresh.load_state_dict(state)
     assert fresh.optimizer.state_dict() == before and fresh.updates == 0
     assert fresh.micro_step == 0 and fresh.noise_scale.windows == 0  # type: ignore[union-attr]
+
+
+class Sized:
+    """A window schedule with a state: a size that the checkpoint carries."""
+
+    def __init__(self) -> None:
+        self.size = 2
+
+    def __call__(self, updates: int, items_seen: float) -> int:
+        return self.size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"size": self.size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.size = int(state["size"])
+
+
+def test_a_schedule_state_that_does_not_load_is_refused_before_anything_is_loaded() -> None:
+    model = _model()
+    opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=Sized())
+    for _ in range(3):
+        model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = copy.deepcopy(opt.state_dict())
+    state["accumopt"]["schedule"]["schedule_state"] = {"sise": 2}
+    fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=Sized())
+    before = copy.deepcopy(fresh.optimizer.state_dict())
+    with pytest.raises(ValueError, match="schedule state"):
+        fresh.load_state_dict(state)
+    assert fresh.optimizer.state_dict() == before and fresh.updates == 0

@@ -6,6 +6,7 @@ exact against a float64 full-batch reference or raises a clear error before a wr
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -318,3 +319,61 @@ def test_fractional_items_close_the_window_at_their_total_despite_rounding() -> 
     assert not big.will_update
     big._window.count(1)
     assert big.will_update
+
+
+def test_apply_groups_passes_whose_end_runs_on_another_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Autograd runs the end-of-pass callbacks of a CUDA graph on its device thread, not the
+    caller's: a call's passes are grouped there too (emulated on CPU by ending each pass on a
+    second thread, as the engine does)."""
+    from accumopt import _intake
+
+    original = _intake.MicroStepIntake._end_micro_step
+
+    def on_another_thread(self: Any, rearm: bool) -> None:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                original(self, rearm)
+            except BaseException as err:  # handed back to the caller's thread
+                errors.append(err)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        if errors:
+            raise errors[0]
+
+    monkeypatch.setattr(_intake.MicroStepIntake, "_end_micro_step", on_another_thread)
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+
+    @accumopt.apply(["x", "y"], 4)
+    def mean_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((model(x) - y) ** 2).mean()
+
+    mean_loss(x=X[:10], y=Y[:10])
+    assert opt.micro_step == 1 and opt.updates == 0
+
+
+def test_apply_with_two_wrappers_whose_first_refuses_leaves_the_second_refusing() -> None:
+    """Two wrappers over two halves of a model, one call: when the first one's count raises
+    (an inf under nonfinite="raise"), the second, whose .grad holds the same bad batch, refuses
+    until discard() instead of keeping it for its next window."""
+    model = net()
+    first = Accumulate(torch.optim.SGD(model[2].parameters(), lr=0.1), every=2, nonfinite="raise")
+    second = Accumulate(torch.optim.SGD(model[0].parameters(), lr=0.1), every=2)
+
+    @accumopt.apply(["x", "y"], 4)
+    def mean_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((model(x) - y) ** 2).mean() * float("inf")
+
+    with pytest.raises(FloatingPointError):
+        mean_loss(x=X[:10], y=Y[:10])
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        second.step()
+    second.discard()
+    assert all(p.grad is None for p in model[0].parameters())
+    assert first.micro_step == 0 and first.skipped_micro_steps == 0  # dropped as it raised
