@@ -5,7 +5,6 @@ number of ranks. All of it runs before ``load_state_dict`` changes anything."""
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 from collections.abc import Callable
@@ -132,22 +131,27 @@ def _check_fields(opt: AccumulatingOptimizer, extra: dict[str, Any]) -> None:
         )
     if opt.noise_scale is not None and extra.get("noise_scale") is not None:
         opt.noise_scale.read_state(extra["noise_scale"])  # ValueError where it is damaged
-    state = (schedule or {}).get("schedule_state")
-    if state is not None and callable(getattr(opt._window.schedule, "load_state_dict", None)):
-        try:  # loaded into a copy: the schedule itself is changed only once all is checked
-            copy.deepcopy(opt._window.schedule).load_state_dict(state)  # type: ignore[union-attr]
+    state, own = (schedule or {}).get("schedule_state"), opt._window.schedule
+    load, save = getattr(own, "load_state_dict", None), getattr(own, "state_dict", None)
+    if state is not None and callable(load) and callable(save):
+        before = save()  # a trial load, undone: the real one comes once everything is checked
+        try:
+            load(state)
         except Exception as err:
+            load(before)
             raise ValueError(
                 f"Accumulate.load_state_dict: the checkpoint's schedule state "
                 f"{str(state)[:200]} does not load into {opt._window.schedule!r} "
                 f"({type(err).__name__}: {err}); expected the state_dict() of the same "
                 "schedule. The checkpoint was changed or damaged. Nothing was changed."
             ) from None
+        load(before)
 
 
 def _check_size(opt: AccumulatingOptimizer, window: dict[str, Any], extra: dict[str, Any]) -> None:
     """Refuse an open window whose size this wrapper cannot have (its schedule's bounds), or
-    whose ``closed`` disagrees with its count: a full window is closed, a closed one full."""
+    whose ``closed`` disagrees with its count: a closed one is full, an open one short of its
+    size (a closed window short of it would be applied as it is, an open full one grow)."""
     in_items = opt._window.in_items
     size = window.get("size")
     if size is None:  # formats 1-2: the settings it was saved with
@@ -155,8 +159,11 @@ def _check_size(opt: AccumulatingOptimizer, window: dict[str, Any], extra: dict[
     every, every_items = (None, size) if in_items else (size, None)
     micro_step, items = window["micro_step"], window["items"]
     ok = opt._window.size_problem(size) is None and (in_items or micro_step <= size)
-    if ok:
-        ok = window["closed"] == reaches(micro_step, items, every, every_items)
+    if ok and window["closed"]:
+        ok = reaches(micro_step, items, every, every_items)
+    elif ok:  # strictly short: a fractional total within the rounding slack of reaches() is
+        # open in windows saved before that slack (2026-12-03), and loads as it was
+        ok = micro_step < every if every is not None else items < every_items
     if not ok:
         raise ValueError(
             f"Accumulate.load_state_dict: the checkpoint's open window of size {size!r} has "

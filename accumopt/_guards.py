@@ -212,7 +212,7 @@ def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
     module = getattr(sync, "module", None)
     if sync.fsdp or getattr(module, "gradient_as_bucket_view", False):
         return None
-    if buffer.loss_scale() is not None:
+    if buffer.scaler is not None and buffer.scaler.is_enabled():  # a scale not made yet too
         return None
     params = opt._window_params()
     buffered = {id(p) for p in buffer.buffered_params(params)}

@@ -22,7 +22,6 @@ from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
-from accumopt.decorator import CALLS
 from accumopt.distributed import GradSync, LocalSync
 
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
@@ -49,6 +48,10 @@ class MicroStepIntake:
     _pending_items: float | None
     _awaiting_end: bool
     _consistent: bool
+    # The passes of the running accumopt.apply call (set by the decorator): None outside a
+    # call, [] before its first pass, [items of the call's passes] (None: unweighted) after
+    _grouped: list[float | None] | None = None
+    _thread: int | None
     _close_window: Callable[[list[Tensor]], None]
     _window_params: Callable[[], list[Tensor]]
     _plan_sync: Callable[[], None]
@@ -150,7 +153,7 @@ class MicroStepIntake:
         try:
             loss.backward()  # type: ignore[no-untyped-call]
             counter.pause("interrupted")
-            self._end_micro_step(rearm=True)
+            self._end_micro_step(rearm=True, grouping=False)
         finally:
             self._pending_items = None
 
@@ -162,12 +165,21 @@ class MicroStepIntake:
         reached nothing (armed on entry) re-arms here."""
         self._end_micro_step(rearm=self._counter.pause("interrupted"))
 
-    def _end_micro_step(self, rearm: bool) -> None:
+    def _end_micro_step(self, rearm: bool, grouping: bool = True) -> None:
         """Count the micro-step whose backward pass ended, counting paused meanwhile; re-arm it
-        after, if ``rearm``."""
+        after, if ``rearm``. While an ``accumopt.apply`` call groups this wrapper's passes
+        (:attr:`_grouped`; not the runner's own passes, ``grouping=False``), the first pass is
+        kept for the call's end and the later ones add their items to it."""
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
-        group = CALLS.group  # the passes of one accumopt.apply call: one micro-step at its end
-        if group is None or all(opt is not self for opt, _ in group):
+        grouped = self._grouped if grouping else None
+        if grouped:  # a later pass of the call's micro-step: one more accumulation into .grad
+            first = grouped[0]
+            if (items is None) != (first is None):
+                raise ValueError(f"{_refusals.MIXED_IN_APPLY} {_refusals.UNREFUSABLE}")
+            if items is not None and first is not None:
+                grouped[0] = first + items
+            self._guard.absorbed += 1
+        else:
             refusal = self._window.refusal(items is not None)
             if refusal is not None:
                 raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
@@ -175,12 +187,10 @@ class MicroStepIntake:
             self._window.stepped, self.did_update = False, False
             if self._defer:
                 self._deferred = (items,)
-            elif group is not None:
-                group.append((self, items))
+            elif grouped is not None:
+                grouped.append(items)
             else:
                 self._count(items)
-        else:  # another pass of a micro-step of several: one more accumulation into .grad
-            self._guard.absorbed += 1
         if rearm:
             self._counter.rearm()
 

@@ -153,6 +153,13 @@ def paused_message(api: str, reason: str = "") -> str:
     )
 
 
+MIXED_IN_APPLY = (
+    "Accumulate: one call of an accumopt.apply function ran weighted (opt.backward(loss, "
+    "items=n)) and unweighted (plain backward) passes, which its one micro-step cannot both "
+    "be; expected one kind in every call."
+)
+"""Raised at the end of a pass of an ``accumopt.apply`` call of the other kind."""
+
 UNREFUSABLE = (
     "This backward pass did not go through opt.backward(), so it could not be refused before "
     "its gradient was added to .grad: call opt.discard() to drop the window, then fix the loop."

@@ -14,7 +14,8 @@ covered by a test:
 - a ``GradScaler`` can be passed (mbp calls ``backward`` itself on the raw loss);
 - bad calls raise ``TypeError``/``ValueError`` with a message (mbp uses ``assert``);
 - under an ``Accumulate`` wrapper one call is one micro-step (its micro-batches' backward
-  passes are counted together when the call returns), not one per micro-batch.
+  passes are counted together, their items summed, when the call returns), not one per
+  micro-batch.
 """
 
 from __future__ import annotations
@@ -28,50 +29,35 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
-from accumopt._checks import positive_int
-
-
-class _Calls:
-    """The running call of a decorated function: the ``Accumulate`` wrappers its backward
-    passes reached, each with the item count of its first pass (None: unweighted), or None
-    outside a call; and the thread that runs it. One per process, not per thread: autograd
-    runs the end-of-pass callbacks of a CUDA graph on its device thread."""
-
-    group: list[tuple[Any, float | None]] | None = None
-    thread: int | None = None
-
-
-CALLS = _Calls()
-"""Read by ``Accumulate`` at the end of each backward pass (see ``_intake``)."""
+from accumopt._checks import live_wrappers, positive_int
 
 
 def _run_as_one_micro_step(body: Callable[[], Any]) -> Any:
-    """Run ``body`` (a decorated call); the wrappers its passes reached count one micro-step
-    each when it returns, or, when anything raises before they all did, those left refuse
-    until ``discard()`` (their ``.grad`` may hold part of the batch). A nested call is part of
-    the outer one; a call from a second thread while one runs is refused (RuntimeError)."""
-    if CALLS.group is not None:
-        if CALLS.thread != threading.get_ident():
-            raise RuntimeError(
-                "apply: a decorated function was called from a second thread while another "
-                "call runs; their backward passes could not be told apart under an Accumulate "
-                "wrapper. Expected one call at a time (one training thread)."
-            )
-        return body()
-    group: list[tuple[Any, float | None]] = []
-    CALLS.group, CALLS.thread = group, threading.get_ident()
+    """Run ``body`` (a decorated call) as one micro-step of each live ``Accumulate`` wrapper
+    of this thread (one whose first ``step()`` came from it, or that was never stepped; none
+    that an enclosing call groups already): their passes are grouped (``_grouped``, read at
+    the end of each pass, on whatever thread autograd ends it) and counted once when ``body``
+    returns. When anything raises before a wrapper was counted, a wrapper with a pass refuses
+    until ``discard()`` (its ``.grad`` may hold part of the batch)."""
+    me = threading.get_ident()
+    mine = [w for w in live_wrappers() if w._grouped is None and w._thread in (None, me)]
+    for wrapper in mine:
+        wrapper._grouped = []
     done = 0
     try:
         result = body()
-        for opt, items in group:
-            opt._commit_deferred_as(items)
+        for wrapper in mine:
+            if wrapper._grouped:
+                wrapper._commit_deferred_as(wrapper._grouped[0])
             done += 1
     except BaseException:
-        for opt, _ in group[done:]:  # as after a backward pass that failed part-way
-            opt._counter.pause("")
+        for wrapper in mine[done:]:
+            if wrapper._grouped:  # as after a backward pass that failed part-way
+                wrapper._counter.pause("")
         raise
     finally:
-        CALLS.group = CALLS.thread = None
+        for wrapper in mine:
+            wrapper._grouped = None
     return result
 
 

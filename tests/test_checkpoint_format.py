@@ -13,6 +13,7 @@ another count, moves them by orders of magnitude more.
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -197,32 +198,49 @@ def test_a_damaged_entry_is_refused_before_anything_is_loaded(damage: Any) -> No
 
 
 class Sized:
-    """A window schedule with a state: a size that the checkpoint carries."""
+    """A window schedule with a state the checkpoint carries, loaded field by field (a bad
+    state half-loads it), holding a lock (it cannot be copied)."""
 
     def __init__(self) -> None:
-        self.size = 2
+        self.size, self.seen, self.lock = 2, 0, threading.Lock()
 
     def __call__(self, updates: int, items_seen: float) -> int:
+        self.seen += 1
         return self.size
 
     def state_dict(self) -> dict[str, int]:
-        return {"size": self.size}
+        return {"size": self.size, "seen": self.seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.size = int(state["size"])
+        self.seen = int(state["seen"])
 
 
-def test_a_schedule_state_that_does_not_load_is_refused_before_anything_is_loaded() -> None:
+def _scheduled_state() -> tuple[nn.Module, dict[str, Any]]:
     model = _model()
     opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=Sized())
-    for _ in range(3):
+    for _ in range(3):  # one update, then one micro-step of the next window
         model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
         opt.step()
         opt.zero_grad()
-    state = copy.deepcopy(opt.state_dict())
-    state["accumopt"]["schedule"]["schedule_state"] = {"sise": 2}
-    fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=Sized())
+    return model, copy.deepcopy(opt.state_dict())
+
+
+def test_a_schedule_state_that_does_not_load_is_refused_before_anything_is_loaded() -> None:
+    model, state = _scheduled_state()
+    state["accumopt"]["schedule"]["schedule_state"] = {"size": 5}  # "seen" lost
+    schedule = Sized()
+    fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=schedule)
     before = copy.deepcopy(fresh.optimizer.state_dict())
     with pytest.raises(ValueError, match="schedule state"):
         fresh.load_state_dict(state)
     assert fresh.optimizer.state_dict() == before and fresh.updates == 0
+    assert schedule.size == 2  # the trial load was undone
+
+
+def test_an_intact_schedule_state_loads_into_a_schedule_that_cannot_be_copied() -> None:
+    model, state = _scheduled_state()
+    schedule = Sized()
+    fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=schedule)
+    fresh.load_state_dict(state)
+    assert fresh.updates == 1 and fresh.micro_step == 1

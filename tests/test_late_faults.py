@@ -377,3 +377,103 @@ def test_apply_with_two_wrappers_whose_first_refuses_leaves_the_second_refusing(
     second.discard()
     assert all(p.grad is None for p in model[0].parameters())
     assert first.micro_step == 0 and first.skipped_micro_steps == 0  # dropped as it raised
+
+
+def test_apply_sums_the_items_of_its_passes_into_its_one_micro_step() -> None:
+    """Each micro-batch of a call says its items (``opt.next_items``): the call's micro-step
+    carries them all, and a window of 8 items closes at a call of 8 rows."""
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+
+    @accumopt.apply(["x", "y"], 4)
+    def mean_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.next_items(len(x))
+        return ((model(x) - y) ** 2).mean()
+
+    mean_loss(x=X[:8], y=Y[:8])
+    assert opt.micro_step == 1 and opt.items == 8 and opt.will_update
+
+
+def test_apply_leaves_another_threads_wrapper_alone() -> None:
+    """A wrapper first stepped from another thread is that thread's: its passes during this
+    thread's call are its own micro-steps (two of them here, PyTorch's gated recipe)."""
+    model, other = net(), net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    theirs = Accumulate(torch.optim.SGD(other.parameters(), lr=0.1), every=4)
+
+    def their_passes(count: int) -> None:
+        for i in range(count):
+            loss_of(other, 2 * i, 2 * i + 2).backward()
+        if count == 1:
+            theirs.step()  # their wrapper's first step: from their thread
+
+    first = threading.Thread(target=their_passes, args=(1,))
+    first.start()
+    first.join()
+    second = threading.Thread(target=their_passes, args=(2,))
+
+    @accumopt.apply(["x", "y"], 4)
+    def mean_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if second.ident is None:  # their two passes while this call runs
+            second.start()
+            second.join()
+        return ((model(x) - y) ** 2).mean()
+
+    mean_loss(x=X[:8], y=Y[:8])
+    assert opt.micro_step == 1 and theirs.micro_step == 3
+
+
+def test_a_fractional_window_saved_before_the_rounding_slack_loads_as_it_was() -> None:
+    """Before 2026-12-03 ten items of 0.1 left a window of 1.0 item open (their float sum is
+    0.9999999999999999): such a checkpoint loads, and its next micro-step closes it."""
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=1.0)
+    for i in range(9):
+        opt.backward(loss_of(model, 2 * i, 2 * i + 2), items=0.1)
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    window = state["accumopt"]["window"]
+    assert window["micro_step"] == 9 and not window["closed"]
+    window["micro_step"], window["items"] = 10, sum([0.1] * 10)  # as the code before wrote it
+    assert window["items"] < 1.0
+    opt.load_state_dict(state)
+    assert opt.micro_step == 10 and not opt.will_update
+    opt.backward(loss_of(model, 0, 2), items=0.1)
+    assert opt.will_update
+
+
+def test_a_window_saved_before_scaler_step_resumes_under_a_fresh_scaler() -> None:
+    """Saved after the window's first ``scaler.scale(loss).backward()`` and before its
+    ``scaler.step(opt)``, loaded into a fresh wrapper and GradScaler (whose scale is made
+    lazily, after the load), resumed with the next micro-batch and ``scaler.step`` after each:
+    the fold at ``scaler.step`` is not taken for a wipe of the loaded window, and the run ends
+    where the uninterrupted one does."""
+
+    def build() -> tuple[nn.Module, Accumulate, torch.amp.GradScaler]:
+        model, scaler = net(), torch.amp.GradScaler("cpu", init_scale=16.0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, Accumulate(inner, every=3, scaler=scaler), scaler
+
+    def micro_batch(model: nn.Module, opt: Accumulate, scaler: Any, i: int, step: bool) -> None:
+        scaler.scale(loss_of(model, 3 * i, 3 * i + 3)).backward()
+        if step:
+            scaler.step(opt)
+            scaler.update()
+
+    model, opt, scaler = build()
+    for i in range(3):
+        micro_batch(model, opt, scaler, i, step=True)
+    expected = [p.detach().clone() for p in model.parameters()]
+    model, opt, scaler = build()
+    micro_batch(model, opt, scaler, 0, step=False)
+    saved = copy.deepcopy(
+        {"m": model.state_dict(), "o": opt.state_dict(), "s": scaler.state_dict()}
+    )
+    model, opt, scaler = build()
+    model.load_state_dict(saved["m"])
+    opt.load_state_dict(saved["o"])
+    scaler.load_state_dict(saved["s"])
+    for i in (1, 2):
+        micro_batch(model, opt, scaler, i, step=True)
+    assert opt.updates == 1
+    assert_matches(model, expected)
