@@ -35,6 +35,8 @@ save time, in either form.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,14 +127,19 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     params = _grads.params_of(opt.param_groups)
     window = check_entry(opt, extra, params)
     inner_state = {k: v for k, v in state_dict.items() if k != KEY}
-    opt.optimizer.load_state_dict(inner_state)
+    undo = _load_schedule_state(opt, (extra or {}).get("schedule") or {})
+    try:
+        opt.optimizer.load_state_dict(inner_state)
+    except BaseException:
+        undo()
+        raise
     opt.updates = int(extra["updates"]) if extra else 0
     # torch's load_state_dict installs new group and state containers on the inner
     # optimizer: share the new ones (schedulers built later must reach the inner).
     opt.param_groups = opt.optimizer.param_groups
     opt.state = opt.optimizer.state
     progress = (extra or {}).get("schedule") or {"updates": opt.updates, "items_seen": 0.0}
-    opt._window.restore_progress(progress)
+    opt._window.restore_progress({**progress, "schedule_state": None})  # loaded above
     if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
         opt.noise_scale.load_state_dict(extra["noise_scale"])
     # a restored window starts from its own gradients only: none left from a live window, the
@@ -157,6 +164,34 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         guard.lrs, guard.schedulers = unmarked
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
+
+
+def _load_schedule_state(opt: AccumulatingOptimizer, progress: dict[str, Any]) -> Any:
+    """Load the window schedule's own state (user code, so before anything else loads), once;
+    a load that raises is undone from a copy of the state before and refused (ValueError).
+    Returns the undo, for a failure of what loads after it."""
+    state, schedule = progress.get("schedule_state"), opt._window.schedule
+    load, save = getattr(schedule, "load_state_dict", None), getattr(schedule, "state_dict", None)
+    if state is None or not callable(load):
+        return lambda: None
+    before = copy.deepcopy(save()) if callable(save) else None
+
+    def undo() -> None:
+        if before is not None:
+            with contextlib.suppress(Exception):  # the error raised is the load's
+                load(copy.deepcopy(before))
+
+    try:
+        load(state)
+    except Exception as err:
+        undo()
+        raise ValueError(
+            f"Accumulate.load_state_dict: the checkpoint's schedule state {str(state)[:200]} "
+            f"does not load into {schedule!r} ({type(err).__name__}: {err}); expected the "
+            "state_dict() of the same schedule. The checkpoint was changed or damaged. Nothing "
+            "was changed (the schedule's state was restored where it has a state_dict())."
+        ) from None
+    return undo
 
 
 def _check_savable(opt: AccumulatingOptimizer) -> None:

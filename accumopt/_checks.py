@@ -75,11 +75,6 @@ def claim(optimizer: torch.optim.Optimizer, wrapper: object) -> None:
     _OWNERS[optimizer] = weakref.ref(wrapper)
 
 
-def live_wrappers() -> list[Any]:
-    """The ``Accumulate`` wrappers alive now (each over its inner optimizer, see :func:`claim`)."""
-    return [wrapper for ref in list(_OWNERS.values()) if (wrapper := ref()) is not None]
-
-
 def check_window(every: object, every_items: object) -> tuple[Any, Any]:
     """Validate the two window arguments; exactly one must be given: a size, or a schedule (a
     callable ``f(updates, items_seen) -> size``, validated by the window when it asks it)."""

@@ -131,21 +131,6 @@ def _check_fields(opt: AccumulatingOptimizer, extra: dict[str, Any]) -> None:
         )
     if opt.noise_scale is not None and extra.get("noise_scale") is not None:
         opt.noise_scale.read_state(extra["noise_scale"])  # ValueError where it is damaged
-    state, own = (schedule or {}).get("schedule_state"), opt._window.schedule
-    load, save = getattr(own, "load_state_dict", None), getattr(own, "state_dict", None)
-    if state is not None and callable(load) and callable(save):
-        before = save()  # a trial load, undone: the real one comes once everything is checked
-        try:
-            load(state)
-        except Exception as err:
-            load(before)
-            raise ValueError(
-                f"Accumulate.load_state_dict: the checkpoint's schedule state "
-                f"{str(state)[:200]} does not load into {opt._window.schedule!r} "
-                f"({type(err).__name__}: {err}); expected the state_dict() of the same "
-                "schedule. The checkpoint was changed or damaged. Nothing was changed."
-            ) from None
-        load(before)
 
 
 def _check_size(opt: AccumulatingOptimizer, window: dict[str, Any], extra: dict[str, Any]) -> None:

@@ -11,8 +11,8 @@ a window's first micro-step (or a loaded window) and checks it once, at its clos
 What it cannot see: a gradient zeroed in place where some micro-step did not reach it (its
 version counter is within the allowance), a sparse gradient set to None whose later micro-steps
 reached every row the first one did, an LR held in a tensor and changed in place. Under DDP with
-``gradient_as_bucket_view=True`` and FSDP2 the closing pass replaces ``.grad`` legitimately:
-only the learning rate is checked there."""
+``gradient_as_bucket_view=True``, FSDP2 and a GradScaler (whose step folds micro-steps out of
+``.grad``) ``.grad`` changes legitimately: only the learning rate is checked there."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
+from accumopt.decorator import IN_FLIGHT
 from accumopt.distributed import GradSync, LocalSync
 
 _PER_MICRO_BATCH = ("skip_micro_batch", "raise")
@@ -48,10 +49,6 @@ class MicroStepIntake:
     _pending_items: float | None
     _awaiting_end: bool
     _consistent: bool
-    # The passes of the running accumopt.apply call (set by the decorator): None outside a
-    # call, [] before its first pass, [items of the call's passes] (None: unweighted) after
-    _grouped: list[float | None] | None = None
-    _thread: int | None
     _close_window: Callable[[list[Tensor]], None]
     _window_params: Callable[[], list[Tensor]]
     _plan_sync: Callable[[], None]
@@ -167,18 +164,15 @@ class MicroStepIntake:
 
     def _end_micro_step(self, rearm: bool, grouping: bool = True) -> None:
         """Count the micro-step whose backward pass ended, counting paused meanwhile; re-arm it
-        after, if ``rearm``. While an ``accumopt.apply`` call groups this wrapper's passes
-        (:attr:`_grouped`; not the runner's own passes, ``grouping=False``), the first pass is
-        kept for the call's end and the later ones add their items to it."""
+        after, if ``rearm``. A pass of an ``accumopt.apply`` call (``decorator.IN_FLIGHT``;
+        never the runner's own, ``grouping=False``) joins the call's group instead: the
+        first one of this wrapper waits for the call's end, the later ones are part of it."""
         items, self._pending_items, self._awaiting_end = self._pending_items, None, False
-        grouped = self._grouped if grouping else None
-        if grouped:  # a later pass of the call's micro-step: one more accumulation into .grad
-            first = grouped[0]
-            if (items is None) != (first is None):
-                raise ValueError(f"{_refusals.MIXED_IN_APPLY} {_refusals.UNREFUSABLE}")
-            if items is not None and first is not None:
-                grouped[0] = first + items
-            self._guard.absorbed += 1
+        group = IN_FLIGHT.group if grouping else None
+        if group is not None and items is not None:  # apply's losses are means
+            raise ValueError(f"{_refusals.WEIGHTED_IN_APPLY} {_refusals.UNREFUSABLE}")
+        if group is not None and any(opt is self for opt in group):
+            self._guard.absorbed += 1  # one more accumulation into .grad, same micro-step
         else:
             refusal = self._window.refusal(items is not None)
             if refusal is not None:
@@ -187,8 +181,8 @@ class MicroStepIntake:
             self._window.stepped, self.did_update = False, False
             if self._defer:
                 self._deferred = (items,)
-            elif grouped is not None:
-                grouped.append(items)
+            elif group is not None:
+                group.append(self)
             else:
                 self._count(items)
         if rearm:

@@ -153,12 +153,12 @@ def paused_message(api: str, reason: str = "") -> str:
     )
 
 
-MIXED_IN_APPLY = (
-    "Accumulate: one call of an accumopt.apply function ran weighted (opt.backward(loss, "
-    "items=n)) and unweighted (plain backward) passes, which its one micro-step cannot both "
-    "be; expected one kind in every call."
+WEIGHTED_IN_APPLY = (
+    "Accumulate: a pass of an accumopt.apply call came with an item count (opt.next_items); "
+    "expected none: the decorated function returns the micro-batch's mean loss, and a call "
+    "is one unweighted micro-step (use every=N), or use MicroBatchRunner for windows in items."
 )
-"""Raised at the end of a pass of an ``accumopt.apply`` call of the other kind."""
+"""Raised at the end of a pass of an ``accumopt.apply`` call that was given items."""
 
 UNREFUSABLE = (
     "This backward pass did not go through opt.backward(), so it could not be refused before "

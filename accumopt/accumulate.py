@@ -29,6 +29,7 @@ from accumopt._inner import any_step_hooks, watch_steps
 from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
 from accumopt._window import SizeFn, Window, WindowReport
 from accumopt._window_buffer import WindowBuffer
+from accumopt.decorator import held_by_call
 
 _LOG = logging.getLogger("accumopt")
 
@@ -337,9 +338,9 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self._counter.rearm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients only when no window is open: a no-op inside a window, so calling it
-        every micro-step never wipes it (:meth:`discard` drops a window on purpose)."""
-        if self._window.micro_step == 0:
+        """Clear gradients only when no window is open (nor an ``accumopt.apply`` call holds a
+        pass): else a no-op, so it never wipes a window (:meth:`discard` drops one)."""
+        if self._window.micro_step == 0 and not held_by_call(self):
             # paused until done, re-armed at the end (no gradient is left over): an
             # interrupted zero_grad() refuses until discard()
             self._counter.pause("interrupted")

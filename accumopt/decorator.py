@@ -14,8 +14,7 @@ covered by a test:
 - a ``GradScaler`` can be passed (mbp calls ``backward`` itself on the raw loss);
 - bad calls raise ``TypeError``/``ValueError`` with a message (mbp uses ``assert``);
 - under an ``Accumulate`` wrapper one call is one micro-step (its micro-batches' backward
-  passes are counted together, their items summed, when the call returns), not one per
-  micro-batch.
+  passes are counted together when the call returns), not one per micro-batch.
 """
 
 from __future__ import annotations
@@ -29,36 +28,64 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
-from accumopt._checks import live_wrappers, positive_int
+from accumopt._checks import positive_int
+
+
+class _Call(threading.local):
+    """The decorated call running on this thread (a nested call joins it): the ``Accumulate``
+    wrappers its micro-batches' backward passes reached, or None outside a call."""
+
+    group: list[Any] | None = None
+
+
+class _InFlight:
+    """The group of the call whose own backward pass runs now, or None. One per process, not
+    per thread: autograd ends a CUDA pass on its device thread, where ``Accumulate`` reads it
+    (``_intake``); set only while the call's ``backward()`` runs, so the passes another thread
+    runs meanwhile, outside that call, are their own (unless they end during it)."""
+
+    group: list[Any] | None = None
+
+
+_CALL = _Call()
+IN_FLIGHT = _InFlight()
 
 
 def _run_as_one_micro_step(body: Callable[[], Any]) -> Any:
-    """Run ``body`` (a decorated call) as one micro-step of each live ``Accumulate`` wrapper
-    of this thread (one whose first ``step()`` came from it, or that was never stepped; none
-    that an enclosing call groups already): their passes are grouped (``_grouped``, read at
-    the end of each pass, on whatever thread autograd ends it) and counted once when ``body``
-    returns. When anything raises before a wrapper was counted, a wrapper with a pass refuses
-    until ``discard()`` (its ``.grad`` may hold part of the batch)."""
-    me = threading.get_ident()
-    mine = [w for w in live_wrappers() if w._grouped is None and w._thread in (None, me)]
-    for wrapper in mine:
-        wrapper._grouped = []
+    """Run ``body`` (a decorated call): each wrapper its backward passes reached counts them as
+    one micro-step when it returns; when anything raises before a wrapper was counted, that
+    wrapper refuses until ``discard()`` (its ``.grad`` may hold part of the batch)."""
+    if _CALL.group is not None:
+        return body()
+    group: list[Any] = []
+    _CALL.group = group
     done = 0
     try:
         result = body()
-        for wrapper in mine:
-            if wrapper._grouped:
-                wrapper._commit_deferred_as(wrapper._grouped[0])
+        for opt in group:
+            opt._commit_deferred_as(None)
             done += 1
     except BaseException:
-        for wrapper in mine[done:]:
-            if wrapper._grouped:  # as after a backward pass that failed part-way
-                wrapper._counter.pause("")
+        for opt in group[done:]:  # as after a backward pass that failed part-way
+            opt._counter.pause("")
         raise
     finally:
-        for wrapper in mine:
-            wrapper._grouped = None
+        _CALL.group = None
     return result
+
+
+def held_by_call(opt: object) -> bool:
+    """Whether the call running on this thread holds a pass of ``opt`` not yet counted."""
+    return any(held is opt for held in _CALL.group or ())
+
+
+def _backward(loss: Tensor) -> None:
+    """The call's backward pass of one micro-batch, its end read into the call's group."""
+    IN_FLIGHT.group = _CALL.group
+    try:
+        loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        IN_FLIGHT.group = None
 
 
 def apply(
@@ -138,7 +165,7 @@ def apply(
                     )
                 weighted = loss * (min(n, start + ub_size) - start) / n
                 scaled = scaler.scale(weighted) if scaler is not None else weighted
-                scaled.backward()  # type: ignore[no-untyped-call]
+                _backward(scaled)
                 total = weighted.detach() if total is None else total + weighted.detach()
                 others.append(rest)
             assert total is not None

@@ -244,3 +244,38 @@ def test_an_intact_schedule_state_loads_into_a_schedule_that_cannot_be_copied() 
     fresh = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.1), every=schedule)
     fresh.load_state_dict(state)
     assert fresh.updates == 1 and fresh.micro_step == 1
+
+
+class Logged:
+    """A window schedule whose state_dict() hands out its live state, and whose load appends
+    to it (loading twice would show) after clearing it (a failed load would empty it)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {"log": [], "size": 2}
+
+    def __call__(self, updates: int, items_seen: float) -> int:
+        return int(self.state["size"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        log = list(state["log"])
+        self.state.clear()
+        self.state.update(log=[*log, "loaded"], size=state["size"])
+
+
+def test_a_schedule_state_is_loaded_once_and_a_failed_load_is_undone() -> None:
+    model = _model()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=Logged())
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    state = copy.deepcopy(opt.state_dict())
+    schedule = Logged()
+    fresh = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=schedule)
+    damaged = copy.deepcopy(state)
+    del damaged["accumopt"]["schedule"]["schedule_state"]["size"]
+    with pytest.raises(ValueError, match="schedule state"):
+        fresh.load_state_dict(damaged)
+    assert schedule.state["size"] == 2  # restored by loading its state from before
+    fresh.load_state_dict(state)
+    assert schedule.state == {"log": ["loaded"], "size": 2} and fresh.micro_step == 1

@@ -379,9 +379,9 @@ def test_apply_with_two_wrappers_whose_first_refuses_leaves_the_second_refusing(
     assert first.micro_step == 0 and first.skipped_micro_steps == 0  # dropped as it raised
 
 
-def test_apply_sums_the_items_of_its_passes_into_its_one_micro_step() -> None:
-    """Each micro-batch of a call says its items (``opt.next_items``): the call's micro-step
-    carries them all, and a window of 8 items closes at a call of 8 rows."""
+def test_apply_refuses_an_item_count_for_its_passes() -> None:
+    """The decorated function returns a mean loss, so a call is one unweighted micro-step: a
+    pass given items (``opt.next_items``) is refused, not counted with a wrong weight."""
     model = net()
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
 
@@ -390,8 +390,39 @@ def test_apply_sums_the_items_of_its_passes_into_its_one_micro_step() -> None:
         opt.next_items(len(x))
         return ((model(x) - y) ** 2).mean()
 
-    mean_loss(x=X[:8], y=Y[:8])
-    assert opt.micro_step == 1 and opt.items == 8 and opt.will_update
+    with pytest.raises(ValueError, match="item count"):
+        mean_loss(x=X[:8], y=Y[:8])
+    opt.discard()
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_apply_called_on_a_worker_thread_is_one_micro_step_of_the_main_threads_wrapper() -> None:
+    """The wrapper steps on the main thread, each call runs on a worker (a thread pool): each
+    call is still one micro-step, and ``opt.zero_grad()`` inside a call wipes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+
+    @accumopt.apply(["x", "y"], 2)
+    def mean_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()  # a no-op while the call's first pass waits to be counted
+        return ((model(x) - y) ** 2).mean()
+
+    calls = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24)]
+    with ThreadPoolExecutor(1) as pool:
+        for a, b in calls:
+            pool.submit(lambda a=a, b=b: mean_loss(x=X[a:b], y=Y[a:b])).result()
+            opt.step()
+            opt.zero_grad()
+    assert opt.updates == 2
+    ref = net()
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for window in (calls[:3], calls[3:]):
+        sgd.zero_grad()
+        (sum(((ref(X[a:b]) - Y[a:b]) ** 2).mean() for a, b in window) / 3).backward()
+        sgd.step()
+    assert_matches(model, [p.detach() for p in ref.parameters()])
 
 
 def test_apply_leaves_another_threads_wrapper_alone() -> None:
