@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,7 +128,8 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     params = _grads.params_of(opt.param_groups)
     window = check_entry(opt, extra, params)
     inner_state = {k: v for k, v in state_dict.items() if k != KEY}
-    undo = _load_schedule_state(opt, (extra or {}).get("schedule") or {})
+    saved_progress = (extra or {}).get("schedule")
+    undo = _load_schedule_state(opt, saved_progress or {})
     try:
         opt.optimizer.load_state_dict(inner_state)
     except BaseException:
@@ -138,7 +140,7 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
     # optimizer: share the new ones (schedulers built later must reach the inner).
     opt.param_groups = opt.optimizer.param_groups
     opt.state = opt.optimizer.state
-    progress = (extra or {}).get("schedule") or {"updates": opt.updates, "items_seen": 0.0}
+    progress = saved_progress or {"updates": opt.updates, "items_seen": 0.0}
     opt._window.restore_progress({**progress, "schedule_state": None})  # loaded above
     if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
         opt.noise_scale.load_state_dict(extra["noise_scale"])
@@ -166,7 +168,9 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         post_hook(opt)
 
 
-def _load_schedule_state(opt: AccumulatingOptimizer, progress: dict[str, Any]) -> Any:
+def _load_schedule_state(
+    opt: AccumulatingOptimizer, progress: dict[str, Any]
+) -> Callable[[], None]:
     """Load the window schedule's own state (user code, so before anything else loads), once;
     a load that raises is undone from a copy of the state before and refused (ValueError).
     Returns the undo, for a failure of what loads after it."""

@@ -161,17 +161,13 @@ def _check_size(opt: AccumulatingOptimizer, window: dict[str, Any], extra: dict[
 
 def _check_position(window: dict[str, Any]) -> None:
     """Refuse a window position no wrapper writes (a damaged or edited checkpoint)."""
-    items = window.get("items")
     problems = {
         "micro_step": not positive_int(window.get("micro_step")),
-        "items": isinstance(items, bool)
-        or not isinstance(items, numbers.Real)
-        or not math.isfinite(items)
-        or items < 0,
+        "items": not _amount(window.get("items")),
         "weighted": window.get("weighted") not in (None, True, False),
         "closed": not isinstance(window.get("closed"), bool),
         "stepped": not isinstance(window.get("stepped"), bool),
-        "unfolded": not (window.get("unfolded", 0) == 0 or positive_int(window.get("unfolded"))),
+        "unfolded": not _count(window.get("unfolded", 0)),
         "rank": window.get("rank") is not None and not _is_place(window.get("rank")),
     }
     bad = [f"{key}={window.get(key)!r}" for key, wrong in problems.items() if wrong]

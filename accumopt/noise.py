@@ -232,7 +232,9 @@ class NoiseScale:
                 "every_windows": None if every is None else int(every),
                 "_seen": int(state.get("seen", 0)),
                 "_since": int(state.get("since", self.MIN_MICRO_STEPS)),
-                **{"_pending": None, "_small": None, "_first": False},
+                "_pending": None,
+                "_small": None,
+                "_first": False,
             }
             decay, per_step = parsed["decay"], parsed["_per_step"]
             in_range = {
