@@ -41,6 +41,8 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from accumopt._unhooked import Unhooked
+
 
 class BackwardCounter:
     """Call ``on_end()`` once at the end of each backward pass that accumulates gradients into
@@ -66,7 +68,7 @@ class BackwardCounter:
 
     Attributes:
         unhooked: ``with counter.unhooked:`` the module's forward calls hook no output (see
-            :class:`Unhooked`).
+            :class:`accumopt._unhooked.Unhooked`).
 
     Caveat:
         Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
@@ -158,6 +160,7 @@ class BackwardCounter:
         weakref.finalize(self, _remove_all, self._handles)
         if module is not None:
             self._handles.append(module.register_forward_hook(self._on_forward()))
+            self.unhooked.hooked(module, self._handles[-1])
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Count backward passes into every parameter of ``params`` that requires grad
@@ -251,30 +254,13 @@ class BackwardCounter:
         """Remove every hook and retire the counter: it sees no more backward passes, and
         :meth:`watch` adds none (the owner builds a new counter to count again)."""
         self.retired = True
+        self.unhooked.forget()
         _remove_all(self._handles)
         self._watched.clear()
         self._seen, self._frozen = 0, []
         self._hooked_leaves.clear()
         if self._accumulators is not None:
             self._accumulators.clear()
-
-
-class Unhooked:
-    """``with counter.unhooked:`` the module's forward calls inside hook none of their outputs:
-    the caller runs their backward pass itself and counts it (``MicroBatchRunner``, through
-    ``Accumulate._backward_here``), which spares the hook and the two engine callbacks per
-    pass. Without a module (counting at the parameters) it changes nothing."""
-
-    __slots__ = ("on",)
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __enter__(self) -> None:
-        self.on = True
-
-    def __exit__(self, *_: object) -> None:
-        self.on = False  # not nested: the runner enters it once per micro-batch
 
 
 class _Accumulators:

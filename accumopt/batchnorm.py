@@ -32,10 +32,11 @@ def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     ]
 
 
-def warn_small_batchnorm(model: nn.Module, micro_batch_size: int) -> None:
+def warn_small_batchnorm(model: nn.Module | None, micro_batch_size: int) -> None:
     """Warn once per model when training-mode BatchNorm meets micro-batches below
-    :data:`SMALL_MICRO_BATCH` rows (a ``UserWarning`` naming the layers and the remedies)."""
-    if micro_batch_size >= SMALL_MICRO_BATCH or model in _warned:
+    :data:`SMALL_MICRO_BATCH` rows (a ``UserWarning`` naming the layers and the remedies);
+    ``model=None`` (no model known) does nothing."""
+    if model is None or micro_batch_size >= SMALL_MICRO_BATCH or model in _warned:
         return
     layers = batchnorm_layers(model)
     if not layers:

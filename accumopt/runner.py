@@ -235,11 +235,11 @@ class MicroBatchRunner:
                 self._run_auto(rows_of, scaler, totals)
         else:  # never retried; cut at the window's end
             window, ranks = self.optimizer._window, self.optimizer._sync.world_size
+            own = scaler is None and _own_steps(self.optimizer)  # read once per batch
             for piece, rows in _cuts.fixed_pieces(rows_of, self._fixed, window, ranks):
-                if self.model is not None:
-                    warn_small_batchnorm(self.model, rows)
+                warn_small_batchnorm(self.model, rows)
                 totals.add(*self._forward_backward(piece, rows, totals.first, scaler), rows)
-                self._step(scaler)
+                self._step(scaler, own)
         return totals.result()
 
     def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: Totals) -> None:
@@ -296,7 +296,7 @@ class MicroBatchRunner:
                 continue
             assert result is not None and self.sizer is not None
             self.sizer.succeeded(key, size)
-            self._step(scaler)
+            self._step(scaler, scaler is None and _own_steps(opt))
             totals.add(*result, size)
             offset += size
             if opened is not None and opt._window.micro_step == 0:  # the window was applied
@@ -331,8 +331,7 @@ class MicroBatchRunner:
                 max_size=self._max_size,
             )
         size = self.sizer.propose(key, left if fill is None else min(left, fill))
-        if self.model is not None:
-            warn_small_batchnorm(self.model, size)
+        warn_small_batchnorm(self.model, size)
         return size, self.sizer.proven(key, size)
 
     def _forward_backward(
@@ -352,14 +351,14 @@ class MicroBatchRunner:
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))
         opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
-        return loss.detach(), items, out
+        return loss, items, out  # detached with the others by Totals.result
 
-    def _step(self, scaler: Scaler) -> None:
+    def _step(self, scaler: Scaler, own: bool) -> None:  # own: _own_steps(), read per batch
         opt = self.optimizer
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
-        elif _own_steps(opt) and opt._step_inside_window():
+        elif own and opt._step_inside_window():
             return  # all that step() and zero_grad() do inside the window, done
         else:
             opt.step()

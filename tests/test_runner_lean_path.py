@@ -215,3 +215,53 @@ def test_the_mean_loss_keeps_the_shape_of_the_losses(micro: int) -> None:
     mean = MicroBatchRunner(acc, loss_fn, micro_batch_size=micro)(batch)
     assert mean.shape == (1,)
     torch.testing.assert_close(mean, expected, rtol=1e-12, atol=0)
+
+
+def test_the_counting_forward_hook_is_out_only_while_loss_fn_runs() -> None:
+    """The runner's forward passes run without the counting hook (torch's fast call path where
+    the model has no other hook), and it is put back at its place among the user's hooks
+    (one registered before, one after, one prepended), also when ``loss_fn`` raises: a plain
+    loop afterwards is still counted at the model's outputs."""
+    model, (x, y), ref = fresh(96, 8)
+    seen: list[str] = []
+    model.register_forward_hook(lambda *_: seen.append("before"))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
+    model.register_forward_hook(lambda *_: seen.append("after"))
+    model.register_forward_hook(lambda *_: seen.append("first"), prepend=True)
+    order = list(model._forward_hooks)
+    inside: list[list[int]] = []
+
+    def loss_fn(b: Batch) -> torch.Tensor:
+        inside.append(list(model._forward_hooks))
+        if len(inside) == 2:
+            raise KeyError("loss_fn failed")
+        return ((model(b[0]) - b[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
+    with pytest.raises(KeyError):
+        runner((x, y))
+    assert inside == [[k for k in order if k != order[2]]] * 2  # ours (third) out, the rest kept
+    assert list(model._forward_hooks) == order and seen[:3] == ["first", "before", "after"]
+    acc.discard()
+    with pytest.raises(ValueError, match="without an item count"):  # counted: the hook is back
+        ((model(x) - y) ** 2).sum().backward()
+    acc.discard()
+    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4)
+    runner((x, y))
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_a_removed_counter_is_not_hooked_again_by_the_runner() -> None:
+    """A counter removed while ``loss_fn`` runs (``set_model`` rebinding the wrapper) does not
+    get its old hook put back: the model ends with the new counter's hook alone."""
+    model, acc, (x, y), _ = setup(97, 8)
+
+    def loss_fn(b: Batch) -> torch.Tensor:
+        if acc.model is model:
+            acc.set_model(None)  # the old counter is removed, the wrapper counts at parameters
+        return ((model(b[0]) - b[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=8)
+    runner((x, y))
+    assert len(model._forward_hooks) == 0 and acc.updates == 1
