@@ -138,6 +138,5 @@ def adopt_scaler(opt: AccumulatingOptimizer) -> None:
     if isinstance(opt._sync, GradSync):
         opt._sync.check_fsdp(window.every, scaler, buffer.buffer_all)
     opt.scaler = buffer.scaler = _checks.check_scaler(scaler)
-    opt._guard.forget()  # from now on every micro-step is folded out of .grad
     if window.micro_step == 1 and not window.closed:
         buffer.unfolded = 1  # the first micro-step, scaled, waits in .grad for this step

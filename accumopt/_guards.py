@@ -11,8 +11,10 @@ a window's first micro-step (or a loaded window) and checks it once, at its clos
 What it cannot see: a gradient zeroed in place where some micro-step did not reach it (its
 version counter is within the allowance), a sparse gradient set to None whose later micro-steps
 reached every row the first one did, an LR held in a tensor and changed in place. Under DDP with
-``gradient_as_bucket_view=True``, FSDP2 and a GradScaler (whose step folds micro-steps out of
-``.grad``) ``.grad`` changes legitimately: only the learning rate is checked there."""
+``gradient_as_bucket_view=True`` and FSDP2 ``.grad`` changes legitimately: only the learning
+rate is checked there. Under a GradScaler, ``scaler.step`` inside the window folds the
+micro-steps in ``.grad`` out of it: they are checked before that fold too, and noted afresh at
+the next micro-step."""
 
 from __future__ import annotations
 
@@ -49,16 +51,6 @@ LR_CHANGED = (
     "or call opt.discard() to drop the window."
 )
 
-FOREIGN_ACCUMULATION = (
-    "Accumulate: the wrapper is stepped by {name} with its own gradient accumulation on "
-    "({steps} steps: the framework divides each loss by {steps} and steps once per {steps} "
-    "batches) on top of the wrapper's window, so every update would be 1/{steps} of the right "
-    "one (or the window would hold {steps} times the micro-batches). Nothing was applied; "
-    "expected the framework's accumulation off (gradient_accumulation_steps=1) and the "
-    "window in Accumulate only, or the adapter in "
-    "accumopt.integrations. Call opt.discard() after changing the configuration."
-)
-
 SCHEDULER_INSIDE = (
     "Accumulate: the LR scheduler {name} was stepped inside the open window (last_epoch from "
     "{mark} at its first micro-step to {now}); expected scheduler.step() only after a real "
@@ -79,12 +71,13 @@ STEPPED_DIRECTLY = (
 
 
 class WindowGuard:
-    """The window's ``.grad`` tensors and learning rates as its first micro-step left them.
+    """The window's ``.grad`` tensors and learning rates as its first micro-step left them
+    (the ``.grad`` tensors: under AMP, as the first micro-step since the last fold left them).
 
     Attributes:
         params: the parameters whose window lives in ``.grad`` (dense, with a gradient), or
-            None when nothing is noted (no open window of two micro-steps or more, or the
-            window buffer / AMP folding / FSDP2 holds the window).
+            None when nothing is noted (no open window of two micro-steps or more, the window
+            buffer or FSDP2 holds the window, ``scaler.step`` just folded it).
         grads: their ``.grad`` tensors. versions: the version counters of every
             ``stride``-th of them.
         lrs: each param group's ``"lr"``, or None.
@@ -118,12 +111,18 @@ class WindowGuard:
         Args:
             groups: the param groups (their ``"lr"`` is noted).
             in_grad: the parameters whose window lives in ``.grad``; None: do not note
-                gradients (AMP folding, FSDP2).
+                gradients (FSDP2, DDP's bucket views).
             micro_step: the window's micro-steps so far (1).
         """
         self.lrs = [g.get("lr") for g in groups]
-        self.micro_step, self.absorbed = micro_step, 0
         self.schedulers = [(ref, getattr(ref(), "last_epoch", None)) for ref, _ in self.schedulers]
+        self.note_grads(in_grad, micro_step)
+
+    def note_grads(self, in_grad: list[Tensor] | None, micro_step: int) -> None:
+        """Note the ``.grad`` tensors of ``in_grad`` after the window's ``micro_step``-th
+        micro-step (the first one, or under AMP the first one since ``scaler.step`` folded
+        the window out of ``.grad``)."""
+        self.micro_step, self.absorbed = micro_step, 0
         if in_grad is None:
             self.params = None
             return
@@ -207,12 +206,10 @@ def _change(now: Tensor | None, noted: Tensor, version: int | None, passes: int)
 
 def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
     """The parameters whose window lives in ``.grad`` between micro-steps, or None where the
-    closing pass replaces ``.grad`` itself or AMP folds every micro-step out of it."""
+    closing pass replaces ``.grad`` itself."""
     sync, buffer = opt._sync, opt._buffer
     module = getattr(sync, "module", None)
     if sync.fsdp or getattr(module, "gradient_as_bucket_view", False):
-        return None
-    if buffer.scaler is not None and buffer.scaler.is_enabled():  # a scale not made yet too
         return None
     params = opt._window_params()
     buffered = {id(p) for p in buffer.buffered_params(params)}
@@ -224,8 +221,29 @@ def note(opt: AccumulatingOptimizer) -> None:
     opt._guard.note(opt.param_groups, _in_grad(opt), opt._window.micro_step)
 
 
+def note_grads(opt: AccumulatingOptimizer) -> None:
+    """Under AMP, the first micro-step since ``scaler.step`` folded the window out of ``.grad``
+    was counted: note the ``.grad`` tensors it left (the learning rates stay as noted)."""
+    opt._guard.note_grads(_in_grad(opt), opt._window.micro_step)
+
+
+def scaler_step(
+    opt: AccumulatingOptimizer, params: list[Tensor], scale: Tensor | None, found_inf: Tensor
+) -> None:
+    """``scaler.step(opt)`` (``WindowBuffer.scaler_step``). Inside the window it folds the
+    micro-steps in ``.grad`` out of it: they are checked for a wipe first, as at the close,
+    and noted afresh at the next micro-step (:func:`note_grads`)."""
+    closed = opt._window.closed
+    if not closed:
+        check_close(opt, params)
+    opt._buffer.scaler_step(params, scale, found_inf, closed)
+    if not closed:
+        opt._guard.params, opt._guard.grads = None, []
+
+
 def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor | None] | None:
-    """Before the window's gradient is formed: refuse a window whose ``.grad`` was wiped, and
+    """Before the window's gradient is formed (or folded: :func:`scaler_step`): refuse a
+    window whose ``.grad`` was wiped, and
     pause counting until ``discard()`` (the window's sum is lost). Returns the ``.grad`` of
     ``params`` as read for the check (aligned with them), or None where it read none."""
     guard = opt._guard
@@ -339,62 +357,3 @@ class StepSlot:
 
     def __delete__(self, obj: Any) -> None:
         obj.__dict__.pop("_step_replaced", None)
-
-
-def foreign_accumulation(opt: AccumulatingOptimizer) -> str | None:
-    """Why the boundary ``step()`` must not apply: a framework that accumulates on its own is
-    stepping ``opt``: Accelerate's ``AcceleratedOptimizer`` (a ``gradient_state`` of
-    ``num_steps`` > 1), a HF ``Trainer`` (``args.gradient_accumulation_steps`` > 1) whose
-    optimizer is ``opt`` or wraps it, a Lightning loop whose ``trainer`` has
-    ``accumulate_grad_batches`` > 1 and ``opt`` among its optimizers. Found on the call stack
-    by duck typing, so no framework is imported; None otherwise."""
-    frame = sys._getframe(2)
-    # Who calls step(), past accumopt's and torch's own wrappers (a scheduler's, GradScaler's):
-    # unless a framework, none steps the wrapper (each frame costs ~1 us: built on demand)
-    for _ in range(6):
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("accumopt.", "torch.")) or frame.f_back is None:
-            break
-        frame = frame.f_back
-    if frame.f_globals.get("__name__", "").partition(".")[0] not in _FRAMEWORKS:
-        return None
-    for _ in range(12):
-        # only the frameworks' own frames: reading f_locals snapshots a frame's locals into
-        # it (before Python 3.13), which would keep a caller's objects alive
-        if (framework := frame.f_globals.get("__name__", "").partition(".")[0]) in _FRAMEWORKS:
-            name, steps = _accumulation_steps(frame.f_locals.get("self"), opt)
-            if isinstance(steps, int) and steps > 1:
-                return FOREIGN_ACCUMULATION.format(name=f"{name} ({framework})", steps=steps)
-        if frame.f_back is None:
-            return None
-        frame = frame.f_back
-    return None
-
-
-_FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning")
-
-
-def _accumulation_steps(owner: object, opt: object) -> tuple[str, object]:
-    """The framework object stepping ``opt`` from ``owner`` (its class name) and its
-    accumulation setting (None: not one)."""
-    held = _attr(owner, "optimizer")
-    if held is opt or (held is not None and _attr(held, "optimizer") is opt):
-        steps = _attr(_attr(owner, "gradient_state"), "num_steps")
-        if steps is None:
-            steps = _attr(_attr(owner, "args"), "gradient_accumulation_steps")
-        return type(owner).__name__, steps
-    trainer = _attr(owner, "trainer")
-    optimizers = _attr(trainer, "optimizers")
-    if isinstance(optimizers, list) and any(o is opt for o in optimizers):
-        return type(trainer).__name__, _attr(trainer, "accumulate_grad_batches")
-    return "", None
-
-
-def _attr(obj: object, name: str) -> Any:
-    """``getattr(obj, name, None)``, also where a property raises (a detached module)."""
-    if obj is None:
-        return None
-    try:
-        return getattr(obj, name, None)
-    except Exception:  # a framework property that raises when unset
-        return None

@@ -223,6 +223,8 @@ class MicroStepIntake:
             self._plan_sync()
             if self._window.micro_step == 1:
                 _guards.note(self)  # type: ignore[arg-type]  # the mixin's owner
+            elif self._buffer.unfolded == 1:  # AMP: the first one in .grad since a fold
+                _guards.note_grads(self)  # type: ignore[arg-type]
         return None
 
     def drop_micro_step(self) -> None:

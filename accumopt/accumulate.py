@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from accumopt import _binding, _checkpoint, _checks, _guards, _noise_attach, _refusals, noise
+from accumopt._foreign import accumulation as foreign_accumulation
 from accumopt._grads import params_of
 from accumopt._inner import any_step_hooks, watch_steps
 from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
@@ -236,7 +237,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
             raise problem
-        if self._window.closed and (foreign := _guards.foreign_accumulation(self)) is not None:
+        if self._window.closed and (foreign := foreign_accumulation(self)) is not None:
             raise RuntimeError(foreign)
         self._transaction(partial(self._step_body, amp))
 
@@ -252,7 +253,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
             found = self._buffer.inf_flag(self, self.__dict__["found_inf"])
             found = self._sync.agreed_found_inf(self.scaler, self, found)
-            self._buffer.scaler_step(params, grad_scale, found, closed)
+            _guards.scaler_step(self, params, grad_scale, found)
         if closed:
             self._finish_window(params)
             self._window.stepped = True
@@ -325,8 +326,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self.did_update = False
 
     def _restart(self, clear_grads: bool) -> None:
-        """An empty window, no item count waiting, counting re-armed (``discard()``, a
-        checkpoint load)."""
+        """An empty window, no count waiting, counting re-armed (discard(), a checkpoint load)."""
         if clear_grads:
             self.optimizer.zero_grad(set_to_none=True)
         self._window.stepped, self._pending_items = True, None

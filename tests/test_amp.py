@@ -191,3 +191,95 @@ def test_8_amp_boundary_step_outside_the_scaler_is_refused() -> None:
     sc.step(acc)  # nothing was lost: the proper call still applies the update
     sc.update()
     assert acc.did_update
+
+
+WIPES = {
+    "model.zero_grad()": lambda model: model.zero_grad(),
+    "p.grad.zero_()": lambda model: [p.grad.zero_() for p in model.parameters()],
+}
+
+
+@pytest.mark.parametrize("wipe", WIPES)
+def test_8_amp_gated_recipe_with_a_wipe_every_micro_step_is_refused(wipe: str) -> None:
+    """PyTorch's gated AMP recipe (``scaler.step`` at the boundary only) with the window's
+    ``.grad`` cleared after every micro-step: refused at the close, before any update (the
+    parameters are untouched), with the wipe named; ``opt.discard()`` recovers."""
+    model = mlp(35)
+    before = copy.deepcopy(model)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    x, y = data(35, 6)
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        for xb, yb in zip(x.split(2), y.split(2)):
+            sc.scale(mse_sum(model, xb, yb) / 2).backward()
+            if acc.will_update:
+                sc.step(acc)
+                sc.update()
+            WIPES[wipe](model)
+    assert acc.updates == 0
+    assert_same_params(model, before)
+    acc.discard()
+    ref = copy.deepcopy(model)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    for xb, yb in zip(x.split(2), y.split(2)):  # the same loop without the wipe: exact
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        if acc.will_update:
+            sc.step(acc)
+            sc.update()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_8_amp_a_wipe_before_a_fold_inside_the_window_is_refused_there() -> None:
+    """Two gated micro-steps, a wipe, then ``scaler.step`` inside the window: the fold would
+    take the wiped ``.grad`` into the window; it is refused at that ``scaler.step``."""
+    model = mlp(36)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc)
+    x, y = data(36, 8)
+    parts = list(zip(x.split(2), y.split(2)))
+    for xb, yb in parts[:2]:
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+    model.zero_grad()
+    sc.scale(mse_sum(model, *parts[2]) / 2).backward()
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        sc.step(acc)
+    assert acc.updates == 0 and acc.micro_step == 3
+
+
+def test_8_amp_zero_grad_of_the_model_after_each_scaler_step_is_exact() -> None:
+    """With ``scaler.step`` on every micro-step (accumopt's AMP loop) the window is folded out
+    of ``.grad`` at each step: a ``model.zero_grad()`` after it clears nothing of the window, is
+    not refused, and the run equals the full-batch step."""
+    ref, model = twins(mlp(37))
+    x, y = data(37, 6)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        sc.step(acc)
+        sc.update()
+        model.zero_grad()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_8_amp_a_wipe_between_backward_and_scaler_step_is_refused() -> None:
+    """accumopt's AMP loop (``scaler.step`` on every micro-step) with ``.grad`` cleared between
+    a micro-step's backward pass and its ``scaler.step``: that micro-step would be lost from
+    the window; its ``scaler.step`` refuses, and nothing is applied."""
+    model = mlp(38)
+    before = copy.deepcopy(model)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
+    x, y = data(38, 6)
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        for i, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
+            sc.scale(mse_sum(model, xb, yb) / 2).backward()
+            if i == 1:
+                model.zero_grad()
+            sc.step(acc)
+            sc.update()
+    assert acc.updates == 0 and acc.micro_step == 2
+    assert_same_params(model, before)
