@@ -389,6 +389,41 @@ def test_hf_trainer_resume_from_checkpoint_is_bit_for_bit(
         assert torch.equal(p, q)
 
 
+class RaiseOnce(TrainerCallback):
+    """Raises at the first call of the Trainer event ``event``."""
+
+    def __init__(self, event: str) -> None:
+        self.fired = False
+
+        def fire(*_: Any, **__: Any) -> None:
+            if not self.fired:
+                self.fired = True
+                raise KeyError(f"injected at {event}")
+
+        setattr(self, event, fire)
+
+
+@pytest.mark.parametrize("event", ["on_train_begin", "on_step_begin", "on_substep_end"])
+def test_hf_trainer_resume_after_a_failed_resume_is_bit_for_bit(
+    gpt2_runs: dict[str, Any], event: str
+) -> None:
+    """A resume from the mid-window checkpoint that raises early (its window read but not yet
+    loaded, loaded with its micro-batches still to skip, or half-skipped), then a resume of the
+    same trainer from the boundary checkpoint: the first resume's leftovers (the window to
+    load, the micro-batches to skip) are not carried into the second (rel 0.15-0.24 before)."""
+    base, data, done = gpt2_runs["base"], gpt2_runs["data"], gpt2_runs["trainer"]
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Interrupt(open_at=2, open_micro=2, closed_at=0)
+        interrupted(tmp, base, data, stop, save_strategy="steps", save_steps=1)
+        resumed = accumulate_trainer(tmp, copy.deepcopy(base), data, callbacks=[RaiseOnce(event)])
+        with pytest.raises(KeyError, match="injected"):
+            resumed.train(resume_from_checkpoint=os.path.join(tmp, "open"))
+        resumed.train(resume_from_checkpoint=os.path.join(tmp, "checkpoint-1"))
+    assert resumed.state.global_step == done.state.global_step
+    for p, q in zip(resumed.model.parameters(), done.model.parameters()):
+        assert torch.equal(p, q)
+
+
 # ---------------------------------------------------------------------- DDP, 2 gloo ranks
 
 

@@ -237,8 +237,10 @@ class AccumulateTrainer(Trainer):
         """``Trainer.train`` (same arguments and result), after :meth:`check_supported`. A
         training that starts afresh (no ``resume_from_checkpoint``) drops, with a warning, any
         window the wrapper holds (left open by a ``train()`` stopped inside it, or loaded from a
-        state_dict), as the Trainer drops a partial accumulation: it zeroes the gradients."""
+        state_dict), as the Trainer drops a partial accumulation: it zeroes the gradients. An
+        earlier train() that raised leaves nothing here (a window to load, batches to skip)."""
         self.check_supported()
+        self._skip, self._reload = 0, None
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
         if not resume and (opt := find(self.optimizer)) is not None and opt.micro_step:
             _LOG.warning(_DROPPED, opt.micro_step)
