@@ -8,7 +8,9 @@ from typing import Any
 
 from torch import Tensor
 
+from accumopt import _kinds
 from accumopt._checks import check_count, check_count_tensor
+from accumopt._nesting import flatten
 
 NOT_TRAINED = (
     "The micro-batches before this one were trained; this one and the rest of the batch were not."
@@ -47,6 +49,30 @@ def parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
             + NOT_TRAINED
         )
     return loss, items, out
+
+
+def check_outputs(out: Any, first: Any) -> None:
+    """With ``return_outputs=True``: refuse outputs that could not be joined with the others
+    after the batch (nested unlike ``first``, the first micro-batch's outputs, or a tensor
+    leaf with rows that cannot be concatenated along dim 0; ``Tensor.dim() == 0`` leaves are
+    taken from the first micro-batch), before the micro-batch's backward pass."""
+    if out is None:
+        return
+    leaves = flatten(out, "MicroBatchRunner", root="outputs")[0]
+    if first is not None and sorted(path for path, _ in leaves) != sorted(
+        path for path, _ in flatten(first, "MicroBatchRunner", root="outputs")[0]
+    ):
+        raise ValueError(
+            "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
+            "micro-batch's (other keys or leaves); expected one structure for every "
+            f"micro-batch with return_outputs=True. {NOT_TRAINED}"
+        )
+    for path, leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            try:
+                _kinds.check(path, leaf, "MicroBatchRunner")
+            except TypeError as err:
+                raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
 
 
 def summed(loss: Tensor, items: float, params: Iterable[Tensor]) -> Tensor:

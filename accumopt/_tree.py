@@ -357,12 +357,6 @@ def _aligned(
     return [(path, by_path[path]) for path in order]
 
 
-def same_structure(a: Batch, b: Batch, api: str) -> bool:
-    """Whether two outputs have the same leaf paths (dict key order aside)."""
-    paths_a = sorted(path for path, _ in flatten(a, api, root="outputs")[0])
-    return paths_a == sorted(path for path, _ in flatten(b, api, root="outputs")[0])
-
-
 def _agreed_rows(leaves: list[tuple[str, Any]]) -> int | None:
     rows = {leaf.size(0) for _, leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
     rows |= {len(leaf.value) for _, leaf in leaves if isinstance(leaf, PerSample)}

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from accumopt import _cuts, _tree
 from accumopt._checks import positive_int
-from accumopt._loss_result import NOT_TRAINED, parse, summed
+from accumopt._loss_result import check_outputs, parse, summed
 from accumopt._module_state import ModuleState
 from accumopt._totals import Opened, Totals
 from accumopt.accumulate import AccumulatingOptimizer
@@ -212,7 +212,9 @@ class MicroBatchRunner:
             RuntimeError: the wrapper refuses (a failed pass not dropped: ``opt.discard()``).
             NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory.
             TypeError: ``loss_fn`` returned something other than a loss tensor, ``(loss,
-                items)`` or ``(loss, items, outputs)``, or a loss that is not a tensor.
+                items)`` or ``(loss, items, outputs)``, or a loss that is not a tensor, or (with
+                ``return_outputs``) outputs holding a tensor whose rows cannot be concatenated:
+                refused before that micro-batch's backward pass.
             ValueError: the batch is empty or its tensor leaves disagree on dim 0; ``loss_fn``
                 returned a loss that is not a one-element tensor requiring grad, bad ``items``
                 (not a finite number >= 0, nor a one-element tensor holding one), or outputs
@@ -238,7 +240,7 @@ class MicroBatchRunner:
             own = scaler is None and _own_steps(self.optimizer)  # read once per batch
             for piece, rows in _cuts.fixed_pieces(rows_of, self._fixed, window, ranks):
                 warn_small_batchnorm(self.model, rows)
-                totals.add(*self._forward_backward(piece, rows, totals.first, scaler), rows)
+                totals.add(*self._forward_backward(piece, rows, totals, scaler), rows)
                 self._step(scaler, own)
         return totals.result()
 
@@ -270,7 +272,7 @@ class MicroBatchRunner:
             failure, result = None, None
             try:
                 piece = rows_of(offset, offset + size)
-                result = self._forward_backward(piece, size, totals.first, scaler)
+                result = self._forward_backward(piece, size, totals, scaler)
             except BaseException as err:  # re-raised below unless it is an OOM we handle
                 if not is_oom(err):
                     self._undo(state, opened, offset)
@@ -335,18 +337,14 @@ class MicroBatchRunner:
         return size, self.sizer.proven(key, size)
 
     def _forward_backward(
-        self, piece: Any, rows: int, first_out: Any, scaler: Scaler
+        self, piece: Any, rows: int, totals: Totals, scaler: Scaler
     ) -> tuple[Tensor, float, Any]:
         opt = self.optimizer
         with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
             result = self.loss_fn(piece)
         loss, items, out = parse(result, rows)
-        if first_out is not None and not _tree.same_structure(first_out, out, "MicroBatchRunner"):
-            raise ValueError(  # before the backward pass: this micro-batch is not counted
-                "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
-                "micro-batch's (other keys or leaves); expected one structure for every "
-                f"micro-batch with return_outputs=True. {NOT_TRAINED}"
-            )
+        if totals.keep:  # before the backward pass: a micro-batch refused here is not counted
+            check_outputs(out, totals.first)
         if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))

@@ -508,3 +508,25 @@ def test_runner_refuses_other_output_keys_before_the_micro_batch_is_counted() ->
     with pytest.raises(ValueError, match="nested differently"):
         MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
     assert opt.micro_step == 1 and opt.items == 3  # the second micro-batch was not counted
+
+
+def test_runner_refuses_outputs_it_cannot_join_before_the_first_backward_pass() -> None:
+    """Outputs with a tensor whose rows cannot be concatenated (a 2-D sparse CSC tensor) are
+    refused at the first micro-batch, before its backward pass (no gradient, nothing counted),
+    not after the whole batch trained; without return_outputs they are not looked at."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=100)
+
+    def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        out = model(b)
+        return out.sum(), b.shape[0], out.detach().to_sparse_csc()
+
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=3)
+    with pytest.raises(TypeError, match=r"sparse_csc tensor.*were not"):
+        runner(x, return_outputs=True)
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    runner(x)
+    assert opt.micro_step == 3 and opt.items == 7
