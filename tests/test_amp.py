@@ -193,6 +193,16 @@ def test_8_amp_boundary_step_outside_the_scaler_is_refused() -> None:
     assert acc.did_update
 
 
+def amp_setup(
+    seed: int, every: int, rows: int
+) -> tuple[nn.Module, nn.Module, torch.amp.GradScaler, Accumulate, torch.Tensor, torch.Tensor]:
+    """A model, its untouched copy, a scaler, the model's wrapper (SGD, ``every``) and data."""
+    model = mlp(seed)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=every, scaler=sc)
+    return model, copy.deepcopy(model), sc, acc, *data(seed, rows)
+
+
 WIPES = {
     "model.zero_grad()": lambda model: model.zero_grad(),
     "p.grad.zero_()": lambda model: [p.grad.zero_() for p in model.parameters()],
@@ -204,11 +214,7 @@ def test_8_amp_gated_recipe_with_a_wipe_every_micro_step_is_refused(wipe: str) -
     """PyTorch's gated AMP recipe (``scaler.step`` at the boundary only) with the window's
     ``.grad`` cleared after every micro-step: refused at the close, before any update (the
     parameters are untouched), with the wipe named; ``opt.discard()`` recovers."""
-    model = mlp(35)
-    before = copy.deepcopy(model)
-    sc = scaler()
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
-    x, y = data(35, 6)
+    model, before, sc, acc, x, y = amp_setup(35, 3, 6)
     with pytest.raises(RuntimeError, match="replaced or cleared"):
         for xb, yb in zip(x.split(2), y.split(2)):
             sc.scale(mse_sum(model, xb, yb) / 2).backward()
@@ -233,10 +239,7 @@ def test_8_amp_gated_recipe_with_a_wipe_every_micro_step_is_refused(wipe: str) -
 def test_8_amp_a_wipe_before_a_fold_inside_the_window_is_refused_there() -> None:
     """Two gated micro-steps, a wipe, then ``scaler.step`` inside the window: the fold would
     take the wiped ``.grad`` into the window; it is refused at that ``scaler.step``."""
-    model = mlp(36)
-    sc = scaler()
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc)
-    x, y = data(36, 8)
+    model, _, sc, acc, x, y = amp_setup(36, 4, 8)
     parts = list(zip(x.split(2), y.split(2)))
     for xb, yb in parts[:2]:
         sc.scale(mse_sum(model, xb, yb) / 2).backward()
@@ -269,11 +272,7 @@ def test_8_amp_a_wipe_between_backward_and_scaler_step_is_refused() -> None:
     """accumopt's AMP loop (``scaler.step`` on every micro-step) with ``.grad`` cleared between
     a micro-step's backward pass and its ``scaler.step``: that micro-step would be lost from
     the window; its ``scaler.step`` refuses, and nothing is applied."""
-    model = mlp(38)
-    before = copy.deepcopy(model)
-    sc = scaler()
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3, scaler=sc)
-    x, y = data(38, 6)
+    model, before, sc, acc, x, y = amp_setup(38, 3, 6)
     with pytest.raises(RuntimeError, match="replaced or cleared"):
         for i, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
             sc.scale(mse_sum(model, xb, yb) / 2).backward()
