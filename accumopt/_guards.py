@@ -212,6 +212,8 @@ def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
     if sync.fsdp or getattr(module, "gradient_as_bucket_view", False):
         return None
     params = opt._window_params()
+    if buffer.loss_scale() is not None:  # AMP: all wait in .grad for scaler.step, buffered too
+        return params
     buffered = {id(p) for p in buffer.buffered_params(params)}
     return [p for p in params if id(p) not in buffered] if buffered else params
 

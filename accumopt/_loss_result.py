@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from accumopt import _kinds
@@ -53,26 +54,43 @@ def parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
 
 def check_outputs(out: Any, first: Any) -> None:
     """With ``return_outputs=True``: refuse outputs that could not be joined with the others
-    after the batch (nested unlike ``first``, the first micro-batch's outputs, or a tensor
-    leaf with rows that cannot be concatenated along dim 0; ``Tensor.dim() == 0`` leaves are
-    taken from the first micro-batch), before the micro-batch's backward pass."""
+    after the batch, before the micro-batch's backward pass: nested unlike ``first`` (the
+    first micro-batch's outputs), a tensor leaf with rows that cannot be concatenated along dim
+    0 (by its kind; a dense one by its shape past dim 0 unlike ``first``'s, or without the dim
+    0 that ``first``'s has). ``Tensor.dim() == 0`` leaves of ``first`` are taken whole."""
     if out is None:
         return
     leaves = flatten(out, "MicroBatchRunner", root="outputs")[0]
-    if first is not None and sorted(path for path, _ in leaves) != sorted(
-        path for path, _ in flatten(first, "MicroBatchRunner", root="outputs")[0]
-    ):
+    before = {} if first is None else dict(flatten(first, "MicroBatchRunner", root="outputs")[0])
+    if first is not None and sorted(path for path, _ in leaves) != sorted(before):
         raise ValueError(
             "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
             "micro-batch's (other keys or leaves); expected one structure for every "
             f"micro-batch with return_outputs=True. {NOT_TRAINED}"
         )
     for path, leaf in leaves:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            try:
-                _kinds.check(path, leaf, "MicroBatchRunner")
-            except TypeError as err:
-                raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
+        was = before.get(path, leaf)
+        if not (isinstance(was, Tensor) and was.dim() > 0):
+            continue
+        joinable = isinstance(leaf, Tensor) and leaf.dim() > 0
+        if joinable and _dense(leaf) and _dense(was):
+            joinable = leaf.shape[1:] == was.shape[1:]
+        if not joinable:
+            what = f"of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "no tensor"
+            raise ValueError(
+                f"MicroBatchRunner: loss_fn returned outputs with {path} {what}, "
+                f"which cannot be concatenated along dim 0 with the first micro-batch's "
+                f"{tuple(was.shape)}; expected the same shape past dim 0 in every micro-batch "
+                f"(pad to one width, or return PerSample(list(...))). {NOT_TRAINED}"
+            )
+        try:
+            _kinds.check(path, leaf, "MicroBatchRunner")
+        except TypeError as err:
+            raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
+
+
+def _dense(t: Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_nested
 
 
 def summed(loss: Tensor, items: float, params: Iterable[Tensor]) -> Tensor:

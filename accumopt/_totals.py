@@ -47,15 +47,7 @@ class Totals:
 
     def result(self) -> Any:
         """The mean loss (detached, of the losses' shape), or ``(mean, outputs)`` with
-        ``return_outputs``. The losses were added as returned (their graphs' saved tensors
-        were freed by their backward passes): one no-grad sum here detaches them all."""
-        with torch.no_grad():
-            mean = self._mean()
-        if not self.keep:
-            return mean
-        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)
-
-    def _mean(self) -> Tensor:
+        ``return_outputs``."""
         losses = self.losses  # n >= 1 rows: at least one micro-batch
         shape = losses[0].shape
         if len(losses) > 1 and all(loss.shape == shape for loss in losses):
@@ -64,7 +56,10 @@ class Totals:
             total = losses[0]
             for loss in losses[1:]:
                 total = total + loss
-        return total / self.items if self.items > 0 else torch.zeros_like(total)
+        mean = total / self.items if self.items > 0 else torch.zeros_like(total)
+        if not self.keep:
+            return mean
+        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)
 
 
 @dataclass

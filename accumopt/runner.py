@@ -349,7 +349,7 @@ class MicroBatchRunner:
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))
         opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
-        return loss, items, out  # detached with the others by Totals.result
+        return loss.detach(), items, out  # not the graph: a ctx or hook may hold memory
 
     def _step(self, scaler: Scaler, own: bool) -> None:  # own: _own_steps(), read per batch
         opt = self.optimizer

@@ -282,3 +282,28 @@ def test_8_amp_a_wipe_between_backward_and_scaler_step_is_refused() -> None:
             sc.update()
     assert acc.updates == 0 and acc.micro_step == 2
     assert_same_params(model, before)
+
+
+@pytest.mark.parametrize("how", ["buffer=True", "skip_micro_batch", "bf16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "step_every_micro_step"])
+def test_8_amp_a_wipe_of_buffered_parameters_is_refused(how: str, gated: bool) -> None:
+    """Under a GradScaler the parameters the window buffer holds (``buffer=True``, a
+    per-micro-batch non-finite policy, bf16 parameters) also wait in ``.grad`` until
+    ``scaler.step``: a ``model.zero_grad()`` between micro-steps (gated recipe), or between a
+    backward pass and its ``scaler.step``, is refused, not trained through (rel 0.06-0.5)."""
+    model = mlp(39) if how != "bf16" else mlp(39).to(torch.bfloat16)
+    options = {"buffer=True": {"buffer": True}, "skip_micro_batch": {"nonfinite": how}}
+    sc = scaler()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulate(inner, every=3, scaler=sc, **options.get(how, {}))
+    x, y = data(39, 6)
+    dtype = next(model.parameters()).dtype
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        for xb, yb in zip(x.split(2), y.split(2)):
+            sc.scale(mse_sum(model, xb.to(dtype), yb.to(dtype)).float() / 2).backward()
+            if not acc.will_update:
+                model.zero_grad()
+            if not gated or acc.will_update:
+                sc.step(acc)
+                sc.update()
+    assert acc.updates == 0

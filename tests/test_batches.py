@@ -530,3 +530,28 @@ def test_runner_refuses_outputs_it_cannot_join_before_the_first_backward_pass() 
     assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
     runner(x)
     assert opt.micro_step == 3 and opt.items == 7
+
+
+@pytest.mark.parametrize("second", ["wider", "0-dim", "number"])
+def test_runner_refuses_outputs_that_cannot_join_the_first_ones_before_backward(
+    second: str,
+) -> None:
+    """A dense output leaf whose shape past dim 0 differs from the first micro-batch's (padding
+    per micro-batch), or that lost its dim 0, is refused before that micro-batch's backward
+    pass; the batch is not trained through to fail at the join (the first micro-batch alone
+    was counted)."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    model = torch.nn.Linear(3, 2).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=7)
+
+    def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, dict[str, Any]]:
+        out = model(b)
+        later = {"wider": torch.zeros(len(b), 3), "0-dim": torch.zeros(()), "number": 1.0}
+        pad = torch.zeros(len(b), 2) if opt.micro_step == 0 else later[second]
+        return out.sum(), b.shape[0], {"pad": pad}
+
+    with pytest.raises(ValueError, match=r"outputs\['pad'\].*cannot be concatenated.*were not"):
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+    assert opt.micro_step == 1 and opt.updates == 0

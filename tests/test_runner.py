@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -408,3 +410,34 @@ def test_a_paused_wrapper_is_not_taken_for_an_out_of_memory_error_by_the_auto_ru
     with pytest.raises(RuntimeError, match="failed part-way"):
         runner((x, y))
     assert runner.ooms == 0 and runner.history == history and acc.micro_step == 0
+
+
+def test_runner_frees_each_micro_batch_graph_before_the_next() -> None:
+    """The runner keeps each micro-batch's loss detached: what its graph holds (a custom
+    Function's ctx, a tensor hook's closure) is freed before the next micro-batch runs."""
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    class Tagged(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.aux = torch.zeros(1000)
+            alive.append(weakref.ref(ctx.aux))
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    model = torch.nn.Linear(4, 3).double()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=20)
+    seen: list[int] = []
+
+    def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen.append(sum(r() is not None for r in alive))
+        return ((Tagged.apply(model(b[0])) - b[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=5, model=model)
+    mean = runner(
+        (torch.randn(20, 4, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64))
+    )
+    assert seen == [0, 0, 0, 0] and not mean.requires_grad
