@@ -4,7 +4,10 @@ Frameworks build the optimizer before they wrap the model (Accelerate's ``prepar
 Trainer, Lightning's strategies put DDP/FSDP2 around it later), and wrappers such as timm's
 ``NativeScaler`` call ``scaler.step(opt)`` with a ``GradScaler`` the wrapper was never given.
 Both are learned here between windows, with the checks the constructor runs, so the result is
-the same wrapper as one built with ``model=`` / ``scaler=`` from the start.
+the same wrapper as one built with ``model=`` / ``scaler=`` from the start. A scaler is adopted
+only while nothing of the window was summed without its loss scale (see :func:`adopt_scaler`):
+where the window buffer already holds the first micro-step (``buffer=True``, bf16 parameters,
+a per-micro-batch non-finite policy), ``scaler.step`` is refused; build with ``scaler=`` there.
 """
 
 from __future__ import annotations

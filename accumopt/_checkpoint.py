@@ -292,3 +292,5 @@ def setstate(opt: AccumulatingOptimizer, state: dict[str, Any]) -> None:
     if state["grads"] is not None:
         for p, g in zip(_grads.params_of(opt.param_groups), state["grads"]):
             p.grad = g
+    if opt._window.micro_step and not opt._window.closed:  # a wipe of the copy is refused too
+        _guards.note_grads(opt)

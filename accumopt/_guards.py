@@ -96,12 +96,16 @@ class WindowGuard:
         self.step_called = False  # torch's LRScheduler handshake (see scheduler_handshake)
 
     def forget(self) -> None:
-        """A new window opened, or the window's gradients moved on purpose (a checkpoint
-        loaded, rollback turned on, a GradScaler adopted): nothing to compare with, and no
+        """A new window opened, or a checkpoint was loaded: nothing to compare with, and no
         reference kept to the window's gradients (they must be freed with the window)."""
         self.params = self.lrs = None
         self.grads = []
         self.schedulers = [(ref, None) for ref, _ in self.schedulers if ref() is not None]
+
+    def forget_grads(self) -> None:
+        """The window left ``.grad`` (folded): no ``.grad`` tensor to compare with (the
+        learning rates stay noted)."""
+        self.params, self.grads = None, []
 
     def note(
         self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None, micro_step: int
@@ -212,7 +216,7 @@ def _in_grad(opt: AccumulatingOptimizer) -> list[Tensor] | None:
     if sync.fsdp or getattr(module, "gradient_as_bucket_view", False):
         return None
     params = opt._window_params()
-    if buffer.loss_scale() is not None:  # AMP: all wait in .grad for scaler.step, buffered too
+    if buffer.unfolded:  # AMP: every micro-step waits in .grad for scaler.step, buffered too
         return params
     buffered = {id(p) for p in buffer.buffered_params(params)}
     return [p for p in params if id(p) not in buffered] if buffered else params
@@ -240,7 +244,7 @@ def scaler_step(
         check_close(opt, params)
     opt._buffer.scaler_step(params, scale, found_inf, closed)
     if not closed:
-        opt._guard.params, opt._guard.grads = None, []
+        opt._guard.forget_grads()
 
 
 def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor | None] | None:

@@ -106,13 +106,17 @@ class MicroStepIntake:
         if self._pending_items is not None:
             raise ValueError(_refusals.pending_items(api, self._pending_items))
         weight = _checks.check_items(items)
-        refusal = self._window.refusal(weight is not None)
+        refusal = self._window.refusal(weight is not None) or self._drop_refusal()
         if refusal is not None:
             raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
         self._check_not_paused(api)
         if weight is not None:
             self._sync.check_weighted()
         return weight
+
+    def _drop_refusal(self) -> tuple[type[Exception], str] | None:
+        """A micro-step dropped for inf/NaN still waits for ``scaler.step`` (gated AMP loop)."""
+        return (RuntimeError, _refusals.DROP_PENDING) if self._drop_at_step else None
 
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
@@ -174,7 +178,7 @@ class MicroStepIntake:
         if group is not None and any(opt is self for opt in group):
             self._guard.absorbed += 1  # one more accumulation into .grad, same micro-step
         else:
-            refusal = self._window.refusal(items is not None)
+            refusal = self._window.refusal(items is not None) or self._drop_refusal()
             if refusal is not None:
                 raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
             # did_update describes the last step() until the next micro-step (gated loops)
@@ -270,8 +274,9 @@ class MicroStepIntake:
 
     def _route_all(self) -> None:
         params = self._window_params()
+        if not self._buffer.unfolded:  # under AMP the micro-steps stay in .grad, noted
+            self._guard.forget_grads()  # else the window moved out of .grad on purpose
         self._buffer.route_all(params, self._window.micro_step, self._window.closed)
-        self._guard.forget()  # the window moved out of .grad on purpose
         self._plan_sync()
 
     # The runner's interface (package-internal), under torch.distributed: after each

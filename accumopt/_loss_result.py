@@ -12,6 +12,7 @@ from torch import Tensor
 from accumopt import _kinds
 from accumopt._checks import check_count, check_count_tensor
 from accumopt._nesting import flatten
+from accumopt._tree import row_shape
 
 NOT_TRAINED = (
     "The micro-batches before this one were trained; this one and the rest of the batch were not."
@@ -56,8 +57,9 @@ def check_outputs(out: Any, first: Any) -> None:
     """With ``return_outputs=True``: refuse outputs that could not be joined with the others
     after the batch, before the micro-batch's backward pass: nested unlike ``first`` (the
     first micro-batch's outputs), a tensor leaf with rows that cannot be concatenated along dim
-    0 (by its kind; a dense one by its shape past dim 0 unlike ``first``'s, or without the dim
-    0 that ``first``'s has). ``Tensor.dim() == 0`` leaves of ``first`` are taken whole."""
+    0 (by its kind, or by its shape past dim 0 unlike ``first``'s, ragged sizes aside; or
+    without the dim 0 that ``first``'s has). ``Tensor.dim() == 0`` leaves of ``first`` are
+    taken whole."""
     if out is None:
         return
     leaves = flatten(out, "MicroBatchRunner", root="outputs")[0]
@@ -73,8 +75,8 @@ def check_outputs(out: Any, first: Any) -> None:
         if not (isinstance(was, Tensor) and was.dim() > 0):
             continue
         joinable = isinstance(leaf, Tensor) and leaf.dim() > 0
-        if joinable and _dense(leaf) and _dense(was):
-            joinable = leaf.shape[1:] == was.shape[1:]
+        if joinable and not (_legacy_empty(leaf) or _legacy_empty(was)):
+            joinable = row_shape(leaf) == row_shape(was)
         if not joinable:
             what = f"of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "no tensor"
             raise ValueError(
@@ -89,8 +91,9 @@ def check_outputs(out: Any, first: Any) -> None:
             raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
 
 
-def _dense(t: Tensor) -> bool:
-    return t.layout == torch.strided and not t.is_nested
+def _legacy_empty(t: Tensor) -> bool:
+    """``torch.empty(0)``: ``torch.cat`` leaves it out whatever the others' shapes."""
+    return t.dim() == 1 and t.numel() == 0 and t.layout == torch.strided and not t.is_nested
 
 
 def summed(loss: Tensor, items: float, params: Iterable[Tensor]) -> Tensor:

@@ -160,6 +160,16 @@ WEIGHTED_IN_APPLY = (
 )
 """Raised at the end of a pass of an ``accumopt.apply`` call that was given items."""
 
+DROP_PENDING = (
+    "Accumulate: a micro-step with inf/NaN in its gradient (nonfinite='skip_micro_batch') waits "
+    "for scaler.step(opt) to drop it (the GradScaler must see the inf to back off its scale), "
+    "but another backward pass came first: PyTorch's gated AMP recipe (scaler.step only at the "
+    "boundary) cannot drop one micro-batch. Expected scaler.step(opt) and scaler.update() after "
+    "every backward pass, or nonfinite=None or 'skip_window' with the gated recipe."
+)
+"""Why a backward pass cannot join the window while a dropped micro-step waits for its step."""
+
+
 UNREFUSABLE = (
     "This backward pass did not go through opt.backward(), so it could not be refused before "
     "its gradient was added to .grad: call opt.discard() to drop the window, then fix the loop."

@@ -238,7 +238,7 @@ class RowSlicer:
         shape past dim 0 and dtype (a batch of longer sequences gets its own ceiling). A
         nested tensor's ragged sizes are written ``"*"``, so its batches share one key."""
         return tuple(
-            (path, _row_shape(leaf), str(leaf.dtype).removeprefix("torch."))
+            (path, row_shape(leaf), str(leaf.dtype).removeprefix("torch."))
             for path, leaf, how in self.leaves
             if how in ("slice", "tensor")
         )
@@ -268,7 +268,7 @@ class RowSlicer:
         return _kinds.guard(self.api, path, x, f"move to {device}", lambda: move(x, device))
 
 
-def _row_shape(t: Tensor) -> tuple[Any, ...]:
+def row_shape(t: Tensor) -> tuple[Any, ...]:
     """A tensor's shape past dim 0, ragged (nested) sizes as ``"*"``."""
     if not t.is_nested:
         return tuple(t.shape[1:])

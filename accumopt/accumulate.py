@@ -329,7 +329,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         """An empty window, no count waiting, counting re-armed (discard(), a checkpoint load)."""
         if clear_grads:
             self.optimizer.zero_grad(set_to_none=True)
-        self._window.stepped, self._pending_items = True, None
+        self._window.stepped, self._pending_items, self._drop_at_step = True, None, False
         try:
             self._reset_window()
         except ValueError:  # a schedule's bad size: the empty window is open, usable once fixed

@@ -307,3 +307,93 @@ def test_8_amp_a_wipe_of_buffered_parameters_is_refused(how: str, gated: bool) -
                 sc.step(acc)
                 sc.update()
     assert acc.updates == 0
+
+
+def gated_window_with_a_wipe(how: str) -> None:
+    """Four micro-steps of PyTorch's gated AMP recipe over a buffered float64 MLP; after the
+    second one the wrapper is copied (``copy.deepcopy`` of model, wrapper and scaler),
+    reloaded under a fresh GradScaler whose scale is made later, or switched to rollback
+    (``enable_rollback()``); after the third one ``model.zero_grad()`` wipes the window."""
+    model, _, sc, acc, x, y = amp_setup(40, 4, 8)
+    if how == "reloaded":
+        acc = Accumulate(
+            torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc, buffer=True
+        )
+    for k, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        if k == 1 and how == "copied":
+            model, acc, sc = copy.deepcopy((model, acc, sc))
+        elif k == 1 and how == "reloaded":
+            saved = copy.deepcopy(
+                {"m": model.state_dict(), "o": acc.state_dict(), "s": sc.state_dict()}
+            )
+            model = mlp(40)
+            sc = scaler()
+            sc.load_state_dict(saved["s"])  # its scale is made at the next scale()
+            acc = Accumulate(
+                torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc, buffer=True
+            )
+            model.load_state_dict(saved["m"])
+            acc.load_state_dict(saved["o"])
+        elif k == 1:
+            acc.enable_rollback()
+        if k == 2:
+            model.zero_grad()
+        if acc.will_update:
+            sc.step(acc)
+            sc.update()
+
+
+@pytest.mark.parametrize("how", ["copied", "reloaded", "rollback"])
+def test_8_amp_a_wipe_after_a_copy_a_reload_or_rollback_is_refused(how: str) -> None:
+    """The window's ``.grad`` is noted again where it is rebuilt or rerouted mid-window: a
+    deep copy of the wrapper, a checkpoint loaded before the new scaler made its scale (the
+    buffered parameters too), ``enable_rollback()`` under AMP (nothing is folded there). A
+    later wipe is refused at the close, not trained through (rel 0.03 before)."""
+    with pytest.raises(RuntimeError, match="replaced or cleared"):
+        gated_window_with_a_wipe(how)
+
+
+def test_8_amp_gated_recipe_with_skip_micro_batch_refuses_instead_of_stalling() -> None:
+    """``nonfinite="skip_micro_batch"`` keeps a micro-step with inf/NaN until ``scaler.step``
+    drops it; PyTorch's gated recipe never calls it inside the window, so every later
+    micro-step was skipped as non-finite and training stopped updating without an error. The
+    next backward pass is refused now, ``discard()`` clears the wait, and training goes on."""
+    model, sc, x, y = mlp(41), scaler(), *data(41, 8)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulate(inner, every=2, scaler=sc, nonfinite="skip_micro_batch")
+    parts = list(zip(x.split(2), y.split(2)))
+    sc.scale(mse_sum(model, *parts[0]) * float("inf")).backward()  # dropped at scaler.step
+    with pytest.raises(RuntimeError, match=r"waits for scaler\.step"):
+        sc.scale(mse_sum(model, *parts[1])).backward()
+    acc.discard()
+    for xb, yb in parts[2:]:
+        sc.scale(mse_sum(model, xb, yb)).backward()
+        if acc.will_update:
+            sc.step(acc)
+            sc.update()
+    assert acc.updates == 1 and torch.isfinite(next(model.parameters())).all()
+
+
+def test_8_amp_discard_forgets_a_micro_step_waiting_to_be_dropped() -> None:
+    """A micro-step with inf/NaN waits for ``scaler.step`` to be dropped; ``discard()`` instead
+    drops the window. The wait must go with it: the next window's first good micro-step was
+    dropped at its ``scaler.step`` in its place (rel 0.5 before)."""
+    ref, model = twins(mlp(42))
+    sc = scaler()
+    acc = Accumulate(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        every=2,
+        scaler=sc,
+        nonfinite="skip_micro_batch",
+    )
+    x, y = data(42, 4)
+    sc.scale(mse_sum(model, x[:2], y[:2]) * float("inf")).backward()
+    acc.discard()
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    for xb, yb in zip(x.split(2), y.split(2)):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        sc.step(acc)
+        sc.update()
+    assert acc.updates == 1 and acc.skipped_micro_steps == 1  # the one discarded
+    assert_same_params(model, ref)

@@ -555,3 +555,37 @@ def test_runner_refuses_outputs_that_cannot_join_the_first_ones_before_backward(
     with pytest.raises(ValueError, match=r"outputs\['pad'\].*cannot be concatenated.*were not"):
         MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
     assert opt.micro_step == 1 and opt.updates == 0
+
+
+def test_runner_joins_a_legacy_empty_output_and_refuses_other_widths_of_any_kind() -> None:
+    """``torch.empty(0)`` as one micro-batch's output (a per-token output with no token) is
+    joined as ``torch.cat`` joins it; a sparse CSR or jagged output whose width past dim 0
+    changes between micro-batches is refused before that micro-batch's backward pass (the CSR
+    one was joined into an invalid tensor, the jagged one failed after training)."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    def run(output: Any) -> tuple[Any, Any]:
+        model = torch.nn.Linear(4, 3).double()
+        opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=5)
+
+        def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+            out = model(b)
+            return out.pow(2).sum(), len(b), output(out.detach(), opt.micro_step)
+
+        return opt, MicroBatchRunner(opt, loss_fn, micro_batch_size=2)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    opt, runner = run(lambda out, k: torch.empty(0, dtype=out.dtype) if k == 1 else out)
+    _, joined = runner(x, return_outputs=True)
+    assert joined.shape == (3, 3) and opt.updates == 1
+    widen = {
+        "csr": lambda out, k: torch.cat([out, out[:, :k]], 1).to_sparse_csr(),
+        "jagged": lambda out, k: torch.nested.nested_tensor(
+            [torch.zeros(2, 3 + k) for _ in range(len(out))], layout=torch.jagged
+        ),
+    }
+    for kind, output in widen.items():
+        opt, runner = run(output)
+        with pytest.raises(ValueError, match="cannot be concatenated"):
+            runner(x, return_outputs=True)
+        assert opt.micro_step == 1 and opt.updates == 0, kind
