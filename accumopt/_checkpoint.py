@@ -234,8 +234,8 @@ def check_settled(opt: AccumulatingOptimizer, api: str) -> None:
     checkpoint holds: a backward pass failed part-way (its partial gradient is in ``.grad``);
     a ``step()`` raised after the window's update began (whether it was applied, whether the
     gradient was unscaled and clipped: the retry's bookkeeping); a micro-step dropped for an
-    inf/NaN that waits for ``scaler.step(opt)``. A resumed run would train on each of them
-    wrongly. RuntimeError, nothing changed."""
+    inf/NaN that waits for ``scaler.step(opt)`` (refused by ``_check_not_paused``). A resumed
+    run would train on each of them wrongly. RuntimeError, nothing changed."""
     opt._check_not_paused(api)
     window, buffer = opt._window, opt._buffer
     if window.closed and (window.inner_base is not None or buffer.unscaled or buffer.final):
@@ -245,13 +245,6 @@ def check_settled(opt: AccumulatingOptimizer, api: str) -> None:
             "is not part of a checkpoint, and a run resumed from one would apply or unscale "
             "the window a second time. Expected step() again (scaler.step(opt) under AMP, or "
             "flush() again after a flush()) to finish it first, then save. Nothing was saved."
-        )
-    if opt._drop_at_step:
-        raise RuntimeError(
-            f"Accumulate.{api}: a micro-step with an inf/NaN gradient waits for "
-            "scaler.step(opt), which backs off the loss scale and drops it there; a checkpoint "
-            "taken now would keep it in the window. Expected scaler.step(opt) and "
-            "scaler.update() first, then save. Nothing was saved."
         )
 
 

@@ -106,7 +106,7 @@ class MicroStepIntake:
         if self._pending_items is not None:
             raise ValueError(_refusals.pending_items(api, self._pending_items))
         weight = _checks.check_items(items)
-        refusal = self._window.refusal(weight is not None) or self._drop_refusal()
+        refusal = self._window.refusal(weight is not None)
         if refusal is not None:
             raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
         self._check_not_paused(api)
@@ -121,6 +121,8 @@ class MicroStepIntake:
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
             raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
+        if self._drop_at_step:
+            raise RuntimeError(f"{_refusals.DROP_PENDING} {api}() changed nothing.")
 
     def _backward_here(self, loss: Tensor, items: float) -> None:
         """``MicroBatchRunner``'s backward pass of a micro-batch whose forward pass ran under

@@ -53,25 +53,24 @@ def parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
     return loss, items, out
 
 
-def check_outputs(out: Any, first: Any) -> None:
+def check_outputs(out: Any, reference: dict[str, Any] | None) -> None:
     """With ``return_outputs=True``: refuse outputs that could not be joined with the others
-    after the batch, before the micro-batch's backward pass: nested unlike ``first`` (the
-    first micro-batch's outputs), a tensor leaf with rows that cannot be concatenated along dim
-    0 (by its kind, or by its shape past dim 0 unlike ``first``'s, ragged sizes aside; or
-    without the dim 0 that ``first``'s has). ``Tensor.dim() == 0`` leaves of ``first`` are
-    taken whole."""
+    after the batch, before the micro-batch's backward pass: nested unlike the earlier ones
+    (``reference``: :func:`refer` of them, None before the first), a tensor leaf with rows that
+    cannot be concatenated along dim 0 (by its kind, or by its shape past dim 0 unlike the
+    earlier ones', ragged sizes aside; or without the dim 0 that theirs have). Leaves that are
+    0-dim in the first outputs are taken whole from them."""
     if out is None:
         return
-    leaves = flatten(out, "MicroBatchRunner", root="outputs")[0]
-    before = {} if first is None else dict(flatten(first, "MicroBatchRunner", root="outputs")[0])
-    if first is not None and sorted(path for path, _ in leaves) != sorted(before):
+    leaves = _leaves(out)
+    if reference is not None and sorted(leaves) != sorted(reference):
         raise ValueError(
             "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
             "micro-batch's (other keys or leaves); expected one structure for every "
             f"micro-batch with return_outputs=True. {NOT_TRAINED}"
         )
-    for path, leaf in leaves:
-        was = before.get(path, leaf)
+    for path, leaf in leaves.items():
+        was = leaf if reference is None else reference[path]
         if not (isinstance(was, Tensor) and was.dim() > 0):
             continue
         joinable = isinstance(leaf, Tensor) and leaf.dim() > 0
@@ -81,7 +80,7 @@ def check_outputs(out: Any, first: Any) -> None:
             what = f"of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "no tensor"
             raise ValueError(
                 f"MicroBatchRunner: loss_fn returned outputs with {path} {what}, "
-                f"which cannot be concatenated along dim 0 with the first micro-batch's "
+                f"which cannot be concatenated along dim 0 with the earlier micro-batches' "
                 f"{tuple(was.shape)}; expected the same shape past dim 0 in every micro-batch "
                 f"(pad to one width, or return PerSample(list(...))). {NOT_TRAINED}"
             )
@@ -89,6 +88,22 @@ def check_outputs(out: Any, first: Any) -> None:
             _kinds.check(path, leaf, "MicroBatchRunner")
         except TypeError as err:
             raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
+
+
+def refer(reference: dict[str, Any] | None, out: Any) -> dict[str, Any]:
+    """The leaves that later outputs must join, by path, once ``out`` (checked) joined
+    ``reference``: each path's first leaf that is not ``torch.empty(0)``."""
+    leaves = _leaves(out)
+    if reference is None:
+        return leaves
+    return {
+        path: leaves[path] if isinstance(was, Tensor) and _legacy_empty(was) else was
+        for path, was in reference.items()
+    }
+
+
+def _leaves(out: Any) -> dict[str, Any]:
+    return dict(flatten(out, "MicroBatchRunner", root="outputs")[0])
 
 
 def _legacy_empty(t: Tensor) -> bool:

@@ -162,12 +162,14 @@ WEIGHTED_IN_APPLY = (
 
 DROP_PENDING = (
     "Accumulate: a micro-step with inf/NaN in its gradient (nonfinite='skip_micro_batch') waits "
-    "for scaler.step(opt) to drop it (the GradScaler must see the inf to back off its scale), "
-    "but another backward pass came first: PyTorch's gated AMP recipe (scaler.step only at the "
-    "boundary) cannot drop one micro-batch. Expected scaler.step(opt) and scaler.update() after "
-    "every backward pass, or nonfinite=None or 'skip_window' with the gated recipe."
+    "for scaler.step(opt) to drop it (the GradScaler must see the inf to back off its scale); "
+    "expected scaler.step(opt) and scaler.update() after every backward pass, before anything "
+    "else (PyTorch's gated AMP recipe, scaler.step only at the boundary, cannot drop one "
+    "micro-batch: use nonfinite=None or 'skip_window' there), or opt.discard() to drop the "
+    "window."
 )
-"""Why a backward pass cannot join the window while a dropped micro-step waits for its step."""
+"""Why the wrapper takes no backward pass, flush or checkpoint while a dropped micro-step waits
+for its ``scaler.step``."""
 
 
 UNREFUSABLE = (

@@ -11,13 +11,14 @@ import torch
 from torch import Tensor
 
 from accumopt import _tree
+from accumopt._loss_result import refer
 from accumopt._module_state import ModuleState
 
 
 class Totals:
     """One batch's running loss sum and item count, and its outputs with ``return_outputs``."""
 
-    __slots__ = ("first", "items", "keep", "losses", "outputs", "sizes")
+    __slots__ = ("items", "keep", "losses", "outputs", "reference", "sizes")
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep  # return_outputs
@@ -25,7 +26,8 @@ class Totals:
         self.items = 0.0
         self.outputs: list[Any] = []
         self.sizes: list[int] = []
-        self.first: Any = None  # the first micro-batch's outputs, which the others must match
+        # each output leaf the others must join (check_outputs), by path; None: no output yet
+        self.reference: dict[str, Any] | None = None
 
     def add(self, loss: Tensor, items: float, out: Any, rows: int) -> None:
         self.losses.append(loss)
@@ -33,7 +35,7 @@ class Totals:
         if self.keep and out is not None:
             self.outputs.append(out)
             self.sizes.append(rows)
-            self.first = self.outputs[0]
+            self.reference = refer(self.reference, out)
 
     def mark(self) -> tuple[int, float, int]:
         """Where the totals stand, for :meth:`truncate`."""
@@ -43,7 +45,9 @@ class Totals:
         """Forget the micro-batches added since ``mark`` (a window that starts again)."""
         losses, self.items, outputs = mark
         del self.losses[losses:], self.outputs[outputs:], self.sizes[outputs:]
-        self.first = self.outputs[0] if self.outputs else None
+        self.reference = None
+        for out in self.outputs:
+            self.reference = refer(self.reference, out)
 
     def result(self) -> Any:
         """The mean loss (detached, of the losses' shape), or ``(mean, outputs)`` with

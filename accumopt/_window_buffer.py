@@ -227,14 +227,14 @@ class WindowBuffer:
         return not _grads.all_finite(_grads.grads_of(params))
 
     def route_all(self, params: list[Tensor], micro_step: int, closed: bool) -> None:
-        """Route every parameter through the buffer from now on (rollback); what the open
-        window holds in ``.grad`` is folded first."""
+        """Route every parameter through the buffer from now on (rollback); what the open window
+        holds in ``.grad`` is folded first, unless it waits there, scaled, for scaler.step."""
         if self.buffer_all:
             return
         self.buffer_all, self._buffered = True, None
         self.folding = False  # the micro-step in flight must stay separable from now on
         self._hooks.remove()
-        if micro_step and not closed and self.loss_scale() is None:
+        if micro_step and not closed and not self.unfolded:  # AMP's wait for scaler.step
             self.fold(params, None)
 
     # ------------------------------------------------------------------ the boundary

@@ -344,7 +344,7 @@ class MicroBatchRunner:
             result = self.loss_fn(piece)
         loss, items, out = parse(result, rows)
         if totals.keep:  # before the backward pass: a micro-batch refused here is not counted
-            check_outputs(out, totals.first)
+            check_outputs(out, totals.reference)
         if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))

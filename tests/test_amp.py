@@ -375,18 +375,19 @@ def test_8_amp_gated_recipe_with_skip_micro_batch_refuses_instead_of_stalling() 
     assert acc.updates == 1 and torch.isfinite(next(model.parameters())).all()
 
 
+def skipping(model: nn.Module, every: int) -> tuple[torch.amp.GradScaler, Accumulate]:
+    """A scaler and the model's wrapper (SGD, ``every``) with ``nonfinite="skip_micro_batch"``."""
+    sc = scaler()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    return sc, Accumulate(inner, every=every, scaler=sc, nonfinite="skip_micro_batch")
+
+
 def test_8_amp_discard_forgets_a_micro_step_waiting_to_be_dropped() -> None:
     """A micro-step with inf/NaN waits for ``scaler.step`` to be dropped; ``discard()`` instead
     drops the window. The wait must go with it: the next window's first good micro-step was
     dropped at its ``scaler.step`` in its place (rel 0.5 before)."""
     ref, model = twins(mlp(42))
-    sc = scaler()
-    acc = Accumulate(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        every=2,
-        scaler=sc,
-        nonfinite="skip_micro_batch",
-    )
+    sc, acc = skipping(model, 2)
     x, y = data(42, 4)
     sc.scale(mse_sum(model, x[:2], y[:2]) * float("inf")).backward()
     acc.discard()
@@ -396,4 +397,54 @@ def test_8_amp_discard_forgets_a_micro_step_waiting_to_be_dropped() -> None:
         sc.step(acc)
         sc.update()
     assert acc.updates == 1 and acc.skipped_micro_steps == 1  # the one discarded
+    assert_same_params(model, ref)
+
+
+def test_8_amp_rollback_after_a_reload_under_a_fresh_scaler_keeps_the_scaled_window() -> None:
+    """A gated AMP window reloaded under a fresh GradScaler (no scale made yet) holds scaled
+    micro-steps in ``.grad`` that wait for ``scaler.step``; ``enable_rollback()`` then must
+    not fold them unscaled into the buffer (rel 36 two commits ago, a false wipe refusal one
+    commit ago): the window ends as the uninterrupted one."""
+    ref, model = twins(mlp(43))
+    x, y = data(43, 8)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    sc = scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc)
+    for k, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        if acc.will_update:
+            sc.step(acc)
+            sc.update()
+        if k == 1:
+            saved = copy.deepcopy(
+                {"m": model.state_dict(), "o": acc.state_dict(), "s": sc.state_dict()}
+            )
+            model, sc = mlp(43), scaler()
+            sc.load_state_dict(saved["s"])
+            acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4, scaler=sc)
+            model.load_state_dict(saved["m"])
+            acc.load_state_dict(saved["o"])
+            acc.enable_rollback()
+    assert acc.updates == 1
+    assert_same_params(model, ref)
+
+
+def test_8_amp_flush_while_a_dropped_micro_step_waits_is_refused() -> None:
+    """``flush()`` before the ``scaler.step`` that drops a non-finite micro-step skipped the
+    whole window (its good micro-steps too) without an error; it is refused now, and after
+    ``scaler.step`` it applies the good ones."""
+    ref, model = twins(mlp(44))
+    x, y = data(44, 6)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x[:4], y[:4])
+    sc, acc = skipping(model, 4)
+    for i, (xb, yb) in enumerate(zip(x.split(2), y.split(2))):
+        sc.scale(mse_sum(model, xb, yb) / 2 * (float("inf") if i == 2 else 1.0)).backward()
+        if i < 2:
+            sc.step(acc)
+            sc.update()
+    with pytest.raises(RuntimeError, match=r"waits for scaler\.step.*flush\(\) changed nothing"):
+        acc.flush()
+    sc.step(acc)
+    sc.update()
+    assert acc.flush() and acc.updates == 1
     assert_same_params(model, ref)

@@ -589,3 +589,29 @@ def test_runner_joins_a_legacy_empty_output_and_refuses_other_widths_of_any_kind
         with pytest.raises(ValueError, match="cannot be concatenated"):
             runner(x, return_outputs=True)
         assert opt.micro_step == 1 and opt.updates == 0, kind
+
+
+def test_runner_compares_outputs_after_a_first_legacy_empty_one() -> None:
+    """When the first micro-batch's output is ``torch.empty(0)``, the later ones are compared
+    with the first real one: a width that changes after it is refused before its backward pass
+    (it trained the whole batch and then failed at the join)."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    model = torch.nn.Linear(4, 3).double()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=6)
+
+    def loss_fn(b: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        out = model(b)
+        k = opt.micro_step
+        o = (
+            torch.empty(0)
+            if k == 0
+            else (out.detach() if k == 1 else torch.cat([out.detach()] * 2, 1))
+        )
+        return out.pow(2).sum(), len(b), o
+
+    with pytest.raises(ValueError, match="cannot be concatenated"):
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=2)(
+            torch.randn(6, 4, dtype=torch.float64), return_outputs=True
+        )
+    assert opt.micro_step == 2 and opt.updates == 0
