@@ -27,6 +27,8 @@ class _StepState(Protocol):
     @property
     def _counter(self) -> Any: ...
 
+    _drop_at_step: bool
+
 
 WILL_UPDATE = (
     "True from the end of the backward pass that closes the window until step(): the next "
@@ -217,6 +219,8 @@ def step_refusal(amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
         opt._counter.pause("unscaled")  # .grad holds an unscaled micro-step: the window is lost
     if opt._counter.paused:
         return RuntimeError(paused_message("step", opt._counter.paused_reason))
+    if opt._drop_at_step and not amp:  # the scaler must see the inf to back off its scale
+        return RuntimeError(f"{DROP_PENDING} step() changed nothing.")
     if amp and opt.scaler is None:  # not adopted: a micro-step was folded without a scale
         return RuntimeError(
             "Accumulate.step: called through GradScaler.step, but the wrapper was built "

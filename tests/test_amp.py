@@ -448,3 +448,19 @@ def test_8_amp_flush_while_a_dropped_micro_step_waits_is_refused() -> None:
     sc.update()
     assert acc.flush() and acc.updates == 1
     assert_same_params(model, ref)
+
+
+def test_8_amp_a_plain_step_while_a_dropped_micro_step_waits_is_refused() -> None:
+    """Only ``scaler.step(opt)`` may drop a micro-step kept for its inf/NaN (the scaler must
+    see the inf to back off its scale): a plain ``opt.step()`` there is refused, and the
+    following ``scaler.step`` drops it and backs off."""
+    model = mlp(45)
+    sc, acc = skipping(model, 2)
+    x, y = data(45, 4)
+    sc.scale(mse_sum(model, x[:2], y[:2]) * float("inf")).backward()
+    with pytest.raises(RuntimeError, match=r"waits for scaler\.step.*step\(\) changed nothing"):
+        acc.step()
+    scale = sc.get_scale()
+    sc.step(acc)
+    sc.update()
+    assert acc.skipped_micro_steps == 1 and acc.micro_step == 0 and sc.get_scale() < scale
