@@ -228,8 +228,9 @@ def note(opt: AccumulatingOptimizer) -> None:
 
 
 def note_grads(opt: AccumulatingOptimizer) -> None:
-    """Under AMP, the first micro-step since ``scaler.step`` folded the window out of ``.grad``
-    was counted: note the ``.grad`` tensors it left (the learning rates stay as noted)."""
+    """Note the ``.grad`` tensors of the open window now (the learning rates stay as noted):
+    under AMP after the first micro-step since ``scaler.step`` folded the window out of
+    ``.grad``; in a copy of the wrapper (``copy.deepcopy``, pickling)."""
     opt._guard.note_grads(_in_grad(opt), opt._window.micro_step)
 
 
@@ -249,9 +250,9 @@ def scaler_step(
 
 def check_close(opt: AccumulatingOptimizer, params: list[Tensor]) -> list[Tensor | None] | None:
     """Before the window's gradient is formed (or folded: :func:`scaler_step`): refuse a
-    window whose ``.grad`` was wiped, and
-    pause counting until ``discard()`` (the window's sum is lost). Returns the ``.grad`` of
-    ``params`` as read for the check (aligned with them), or None where it read none."""
+    window whose ``.grad`` was wiped, and pause counting until ``discard()`` (the window's sum
+    is lost). Returns the ``.grad`` of ``params`` as read for the check (aligned with them), or
+    None where it read none."""
     guard = opt._guard
     if not guard.params:  # nothing noted (a window of one micro-step): nothing to check
         return None
