@@ -114,10 +114,6 @@ class MicroStepIntake:
             self._sync.check_weighted()
         return weight
 
-    def _drop_refusal(self) -> tuple[type[Exception], str] | None:
-        """A micro-step dropped for inf/NaN still waits for ``scaler.step`` (gated AMP loop)."""
-        return (RuntimeError, _refusals.DROP_PENDING) if self._drop_at_step else None
-
     def _check_not_paused(self, api: str) -> None:
         if self._counter.paused:  # a backward pass died part-way, its gradient in .grad
             raise RuntimeError(_refusals.paused_message(api, self._counter.paused_reason))
@@ -180,9 +176,11 @@ class MicroStepIntake:
         if group is not None and any(opt is self for opt in group):
             self._guard.absorbed += 1  # one more accumulation into .grad, same micro-step
         else:
-            refusal = self._window.refusal(items is not None) or self._drop_refusal()
+            refusal = self._window.refusal(items is not None)
             if refusal is not None:
                 raise refusal[0](f"{refusal[1]} {_refusals.UNREFUSABLE}")
+            if self._drop_at_step:  # a dropped micro-step waits for scaler.step (gated AMP)
+                raise RuntimeError(f"{_refusals.DROP_PENDING} {_refusals.UNREFUSABLE}")
             # did_update describes the last step() until the next micro-step (gated loops)
             self._window.stepped, self.did_update = False, False
             if self._defer:
