@@ -20,6 +20,7 @@ from torch import Tensor
 
 from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
+from accumopt._inner import any_step_hooks
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.decorator import IN_FLIGHT
@@ -155,6 +156,50 @@ class MicroStepIntake:
             self._end_micro_step(rearm=True, grouping=False)
         finally:
             self._pending_items = None
+
+    def _lean_micro_step(self, loss: Tensor, items: float) -> bool:
+        """``MicroBatchRunner``'s micro-step where it can only join the open window: run and
+        count its backward pass as :meth:`_backward_here` and then ``step()`` inside the
+        window would, without their layers; return False, having done nothing, where anything
+        else could happen. The caller checked once per batch what a micro-step cannot change:
+        no enabled ``GradScaler``, the wrapper's own ``step()`` and ``zero_grad()``. Checked
+        here: one process, a weighted window that is open, sized, armed, past its first
+        micro-step (noted by the guard, its parameters listed) and that ``items`` do not fill
+        (the closing micro-step goes the full way); no count waiting, no micro-step
+        waiting to be dropped, no deferred counting, nothing routed through the window buffer
+        or waiting for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks;
+        items refused where several ranks train without a DDP/FSDP2 model. A pass that dies
+        leaves counting paused, as in :meth:`_backward_here`. Should the window fill after
+        all (changed during the pass), it is closed as any micro-step closes it and
+        ``step()`` is still due: the caller reads ``_window.closed``."""
+        window, counter, buffer = self._window, self._counter, self._buffer
+        if not (
+            window.micro_step
+            and isinstance(self._sync, LocalSync)
+            and window.weighted
+            and not window.closed
+            and window.size_error is None
+            and counter._armed[0]
+            and self._pending_items is None
+            and not self._drop_at_step
+            and not self._defer
+            and buffer._buffered == []
+            and not buffer.unfolded
+            and self.nonfinite not in _PER_MICRO_BATCH
+            and not any_step_hooks(self)  # type: ignore[arg-type]  # the mixin's owner
+            and not window.fills(items)
+        ):
+            return False
+        self._sync.check_weighted()
+        counter.pause("")
+        loss.backward()  # type: ignore[no-untyped-call]
+        counter.pause("interrupted")
+        if window.count(items):
+            self._close_window(self._window_params())
+        else:  # what step() does inside the window (_step_inside_window)
+            window.stepped, self.did_update = True, False
+        counter.rearm()
+        return True
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner).

@@ -324,6 +324,24 @@ def auto_runner_then_plain(rank: int) -> tuple[Params, int]:
     return params(ddp), opt.updates
 
 
+def fixed_runner(rank: int) -> tuple[Params, int, list[bool]]:
+    """The fixed-size runner over windows of 16 items on both ranks (rank r: rows 16w + 8r to
+    16w + 8r + 8 of window w, 4 micro-batches of 2): its middle micro-steps take the full path
+    under DDP (their items are summed over the ranks), never the single-process lean one."""
+    from accumopt import Accumulate, MicroBatchRunner
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every_items=16, model=ddp)
+    runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum(), micro_batch_size=2)
+    lean, taken = opt._lean_micro_step, []
+    opt._lean_micro_step = lambda *a: taken.append(lean(*a)) or taken[-1]  # type: ignore
+    x, y = data()
+    for w in range(2):
+        a = 16 * w + 8 * rank
+        runner((x[a : a + 8], y[a : a + 8]))
+    return params(ddp), opt.updates, taken
+
+
 def refused(rank: int) -> list[str]:
     messages = []
     for policy in ("skip_micro_batch", "raise"):
@@ -349,6 +367,7 @@ AGREEMENTS: dict[str, Callable[[int], Any]] = {
     "refused": refused,
     "items_without_model": items_without_the_ddp_model,
     "auto_then_plain": auto_runner_then_plain,
+    "fixed_runner": fixed_runner,
 }
 
 
@@ -457,3 +476,12 @@ def test_a_plain_micro_step_after_the_auto_runner_is_counted(
     (p0, u0), (p1, u1) = (r["auto_then_plain"] for r in agreements)
     assert p0 == p1 and u0 == u1 == 1
     assert_exact(p0, full_batch([[[(0, 4), (8, 12)], [(4, 8), (12, 16)]]]))
+
+
+@pytest.mark.slow
+def test_the_fixed_runner_sums_every_micro_steps_items_over_the_ranks(
+    agreements: list[dict[str, Any]],
+) -> None:
+    (p0, u0, taken0), (p1, u1, taken1) = (r["fixed_runner"] for r in agreements)
+    assert p0 == p1 and u0 == u1 == 2 and not any(taken0 + taken1) and len(taken0) == 8
+    assert_exact(p0, full_batch([[[(0, 8)], [(8, 16)]], [[(16, 24)], [(24, 32)]]]))
