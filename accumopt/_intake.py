@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from typing import Any
 
 from torch import Tensor
@@ -49,6 +50,7 @@ class MicroStepIntake:
     _deferred: tuple[float | None] | None
     _pending_items: float | None
     _awaiting_end: bool
+    _thread: int | None
     _consistent: bool
     _close_window: Callable[[list[Tensor]], None]
     _window_params: Callable[[], list[Tensor]]
@@ -167,8 +169,9 @@ class MicroStepIntake:
         micro-step (noted by the guard, its parameters listed) and that ``items`` do not fill
         (the closing micro-step goes the full way); no count waiting, no micro-step
         waiting to be dropped, no deferred counting, nothing routed through the window buffer
-        or waiting for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks;
-        items refused where several ranks train without a DDP/FSDP2 model. A pass that dies
+        or waiting for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks,
+        the thread that stepped the wrapper before; items refused where several ranks train
+        without a DDP/FSDP2 model. A pass that dies
         leaves counting paused, as in :meth:`_backward_here`. Should the window fill after
         all (changed during the pass), it is closed as any micro-step closes it and
         ``step()`` is still due: the caller reads ``_window.closed``."""
@@ -187,6 +190,7 @@ class MicroStepIntake:
             and not buffer.unfolded
             and self.nonfinite not in _PER_MICRO_BATCH
             and not any_step_hooks(self)  # type: ignore[arg-type]  # the mixin's owner
+            and self._thread == get_ident()  # step() refuses any other thread
             and not window.fills(items)
         ):
             return False

@@ -7,6 +7,7 @@ full path wherever something else could happen, and fail as the full path fails.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -245,3 +246,31 @@ def test_a_nan_micro_batch_mid_window_is_skipped_under_skip_micro_batch() -> Non
     (((ref(x[keep]) - y[keep]) ** 2).sum() / 6).backward()
     opt.step()
     assert_same_params(model, ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["lean", "full"])
+def test_a_window_continued_from_another_thread_is_refused_as_on_the_full_path(path: str) -> None:
+    """The runner runs half a window in the thread that steps the wrapper and the rest from a
+    second thread: the second thread's first micro-step is refused at its ``step()`` (counted,
+    then counting paused for every thread), the same way on both paths."""
+    model = mlp(8).double()
+    x, y = data(8, 8)
+    x, y = x.double(), y.double()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
+    if path == "full":
+        full_path_only(acc)
+    runner = MicroBatchRunner(acc, token_loss(model, False), micro_batch_size=2)
+    runner((x[:4], y[:4]))
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            runner((x[4:], y[4:]))
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "thread" in str(errors[0])
+    assert acc.micro_step == 3 and acc._counter.paused_reason == "thread"
