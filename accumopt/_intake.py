@@ -159,22 +159,24 @@ class MicroStepIntake:
         finally:
             self._pending_items = None
 
-    def _lean_micro_step(self, loss: Tensor, items: float) -> bool:
+    def _lean_micro_step(self, loss: Tensor, items: float) -> bool | None:
         """``MicroBatchRunner``'s micro-step where it can only join the open window: run and
         count its backward pass as :meth:`_backward_here` and then ``step()`` inside the
-        window would, without their layers; return False, having done nothing, where anything
-        else could happen. The caller checked once per batch what a micro-step cannot change:
-        no enabled ``GradScaler``, the wrapper's own ``step()`` and ``zero_grad()``. Checked
-        here: one process, a weighted window that is open, sized, armed, past its first
-        micro-step (noted by the guard, its parameters listed) and that ``items`` do not fill
-        (the closing micro-step goes the full way); no count waiting, no micro-step
-        waiting to be dropped, no deferred counting, nothing routed through the window buffer
-        or waiting for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks,
-        the thread that stepped the wrapper before; items refused where several ranks train
-        without a DDP/FSDP2 model. A pass that dies
-        leaves counting paused, as in :meth:`_backward_here`. Should the window fill after
-        all (changed during the pass), it is closed as any micro-step closes it and
-        ``step()`` is still due: the caller reads ``_window.closed``."""
+        window would, without their layers. Returns None, having done nothing, where anything
+        else could happen; else whether ``step()`` was done too (False: it is still due).
+
+        The caller checked once per batch what a micro-step cannot change: no enabled
+        ``GradScaler``, the wrapper's own ``step()`` and ``zero_grad()``. Checked here: one
+        process, a weighted window that is open, sized, armed, past its first micro-step
+        (noted by the guard, its parameters listed) and that ``items`` do not fill (the
+        closing micro-step goes the full way); no count waiting, no micro-step waiting to be
+        dropped, no deferred counting, nothing routed through the window buffer or waiting
+        for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks, the thread
+        that stepped the wrapper before; items refused where several ranks train without a
+        DDP/FSDP2 model. A pass that dies leaves counting paused, as in
+        :meth:`_backward_here`. Where the pass changed the wrapper (a hook that discards the
+        window, loads a checkpoint or registers a step hook), it is counted or refused the
+        full way, and ``step()`` is due; so it is where the window filled after all."""
         window, counter, buffer = self._window, self._counter, self._buffer
         if not (
             window.micro_step
@@ -193,17 +195,28 @@ class MicroStepIntake:
             and self._thread == get_ident()  # step() refuses any other thread
             and not window.fills(items)
         ):
-            return False
+            return None
         self._sync.check_weighted()
+        before = window.micro_step
         counter.pause("")
-        loss.backward()  # type: ignore[no-untyped-call]
-        counter.pause("interrupted")
-        if window.count(items):
-            self._close_window(self._window_params())
-        else:  # what step() does inside the window (_step_inside_window)
-            window.stepped, self.did_update = True, False
-        counter.rearm()
-        return True
+        self._pending_items = items  # as in _backward_here: discard() during the pass drops it
+        try:
+            loss.backward()  # type: ignore[no-untyped-call]
+            counter.pause("interrupted")
+            changed = self._window is not window or window.micro_step != before
+            changed = changed or self._pending_items is not items  # discard() in a hook
+            if changed or any_step_hooks(self):  # type: ignore[arg-type]
+                self._end_micro_step(rearm=True, grouping=False)
+                return False
+            if window.count(items):
+                self._close_window(self._window_params())
+                counter.rearm()
+                return False
+            window.stepped, self.did_update = True, False  # what step() does inside the window
+            counter.rearm()
+            return True
+        finally:
+            self._pending_items = None
 
     def _on_backward_end(self) -> None:
         """End-of-backward callback: count the micro-step (or keep it for the runner).

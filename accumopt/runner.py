@@ -348,11 +348,10 @@ class MicroBatchRunner:
         if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))
-        # the graph is not kept: a ctx or hook may hold memory
-        if own and opt._lean_micro_step(loss, items):
-            return loss.detach(), items, out, not opt._window.closed
-        opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
-        return loss.detach(), items, out, False
+        stepped = opt._lean_micro_step(loss, items) if own else None
+        if stepped is None:
+            opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
+        return loss.detach(), items, out, bool(stepped)  # not the graph: a ctx may hold memory
 
     def _step(self, scaler: Scaler, own: bool) -> None:  # own: _own_steps(), read per batch
         opt = self.optimizer

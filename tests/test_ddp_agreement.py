@@ -334,7 +334,13 @@ def fixed_runner(rank: int) -> tuple[Params, int, list[bool]]:
     opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every_items=16, model=ddp)
     runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum(), micro_batch_size=2)
     lean, taken = opt._lean_micro_step, []
-    opt._lean_micro_step = lambda *a: taken.append(lean(*a)) or taken[-1]  # type: ignore
+
+    def recorded(*args: Any) -> bool | None:
+        stepped = lean(*args)
+        taken.append(stepped is not None)
+        return stepped
+
+    opt._lean_micro_step = recorded  # type: ignore[method-assign]
     x, y = data()
     for w in range(2):
         a = 16 * w + 8 * rank

@@ -25,7 +25,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def full_path_only(acc: Accumulate) -> None:
     """Make ``acc`` refuse every lean micro-step: the runner then takes the full path."""
-    acc._lean_micro_step = lambda *_: False  # type: ignore[method-assign]
+    acc._lean_micro_step = lambda *_: None  # type: ignore[method-assign]
 
 
 def spy(acc: Accumulate) -> list[bool]:
@@ -33,9 +33,10 @@ def spy(acc: Accumulate) -> list[bool]:
     taken: list[bool] = []
     lean = acc._lean_micro_step
 
-    def recorded(loss: torch.Tensor, items: float) -> bool:
-        taken.append(lean(loss, items))
-        return taken[-1]
+    def recorded(loss: torch.Tensor, items: float) -> bool | None:
+        stepped = lean(loss, items)
+        taken.append(stepped is not None)
+        return stepped
 
     acc._lean_micro_step = recorded  # type: ignore[method-assign]
     return taken
@@ -274,3 +275,62 @@ def test_a_window_continued_from_another_thread_is_refused_as_on_the_full_path(p
     thread.join()
     assert len(errors) == 1 and "thread" in str(errors[0])
     assert acc.micro_step == 3 and acc._counter.paused_reason == "thread"
+
+
+@pytest.mark.parametrize("path", ["lean", "full"])
+def test_a_window_discarded_during_a_middle_pass_is_refused_as_on_the_full_path(path: str) -> None:
+    """A backward hook of the second micro-batch discards the window while the pass runs: the
+    pass is refused at its end (its item count went with the window), counting stays paused,
+    and nothing is applied; ``discard()`` then a rerun train exactly."""
+    model = mlp(9).double()
+    ref = copy.deepcopy(model)
+    x, y = data(9, 8)
+    x, y = x.double(), y.double()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
+    if path == "full":
+        full_path_only(acc)
+    calls = [0]
+
+    def loss_fn(b: Batch) -> torch.Tensor:
+        calls[0] += 1
+        out = model(b[0])
+        if calls[0] == 2:
+            out.register_hook(lambda g: acc.discard())
+        return ((out - b[1]) ** 2).sum()
+
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=2)
+    with pytest.raises(ValueError, match="without an item count"):
+        runner((x, y))
+    assert acc.updates == 0 and acc._counter.paused
+    acc.discard()
+    runner((x, y))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (((ref(x) - y) ** 2).sum() / 8).backward()
+    opt.step()
+    assert acc.updates == 1
+    assert_same_params(model, ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["lean", "full"])
+def test_a_step_hook_registered_during_a_middle_pass_sees_its_step(path: str) -> None:
+    model = mlp(10).double()
+    x, y = data(10, 8)
+    x, y = x.double(), y.double()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
+    if path == "full":
+        full_path_only(acc)
+    seen: list[int] = []
+    calls = [0]
+
+    def hook(grad: torch.Tensor) -> None:
+        acc.register_step_pre_hook(lambda *_: seen.append(acc.micro_step))
+
+    def loss_fn(b: Batch) -> torch.Tensor:
+        calls[0] += 1
+        out = model(b[0])
+        if calls[0] == 2:
+            out.register_hook(hook)
+        return ((out - b[1]) ** 2).sum()
+
+    MicroBatchRunner(acc, loss_fn, micro_batch_size=2)((x, y))
+    assert seen == [2, 3, 4] and acc.updates == 1
