@@ -14,14 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from threading import get_ident
 from typing import Any
 
 from torch import Tensor
 
 from accumopt import _checks, _guards, _refusals
 from accumopt._backward_counter import BackwardCounter
-from accumopt._inner import any_step_hooks
 from accumopt._window import Window
 from accumopt._window_buffer import WindowBuffer
 from accumopt.decorator import IN_FLIGHT
@@ -50,7 +48,6 @@ class MicroStepIntake:
     _deferred: tuple[float | None] | None
     _pending_items: float | None
     _awaiting_end: bool
-    _thread: int | None
     _consistent: bool
     _close_window: Callable[[list[Tensor]], None]
     _window_params: Callable[[], list[Tensor]]
@@ -156,65 +153,6 @@ class MicroStepIntake:
             loss.backward()  # type: ignore[no-untyped-call]
             counter.pause("interrupted")
             self._end_micro_step(rearm=True, grouping=False)
-        finally:
-            self._pending_items = None
-
-    def _lean_micro_step(self, loss: Tensor, items: float) -> bool | None:
-        """``MicroBatchRunner``'s micro-step where it can only join the open window: run and
-        count its backward pass as :meth:`_backward_here` and then ``step()`` inside the
-        window would, without their layers. Returns None, having done nothing, where anything
-        else could happen; else whether ``step()`` was done too (False: it is still due).
-
-        The caller checked once per batch what a micro-step cannot change: no enabled
-        ``GradScaler``, the wrapper's own ``step()`` and ``zero_grad()``. Checked here: one
-        process, a weighted window that is open, sized, armed, past its first micro-step
-        (noted by the guard, its parameters listed) and that ``items`` do not fill (the
-        closing micro-step goes the full way); no count waiting, no micro-step waiting to be
-        dropped, no deferred counting, nothing routed through the window buffer or waiting
-        for ``scaler.step``, no per-micro-batch non-finite policy, no step hooks, the thread
-        that stepped the wrapper before; items refused where several ranks train without a
-        DDP/FSDP2 model. A pass that dies leaves counting paused, as in
-        :meth:`_backward_here`. Where the pass changed the wrapper (a hook that discards the
-        window, loads a checkpoint or registers a step hook), it is counted or refused the
-        full way, and ``step()`` is due; so it is where the window filled after all."""
-        window, counter, buffer = self._window, self._counter, self._buffer
-        if not (
-            window.micro_step
-            and isinstance(self._sync, LocalSync)
-            and window.weighted
-            and not window.closed
-            and window.size_error is None
-            and counter._armed[0]
-            and self._pending_items is None
-            and not self._drop_at_step
-            and not self._defer
-            and buffer._buffered == []
-            and not buffer.unfolded
-            and self.nonfinite not in _PER_MICRO_BATCH
-            and not any_step_hooks(self)  # type: ignore[arg-type]  # the mixin's owner
-            and self._thread == get_ident()  # step() refuses any other thread
-            and not window.fills(items)
-        ):
-            return None
-        self._sync.check_weighted()
-        before = window.micro_step
-        counter.pause("")
-        self._pending_items = items  # as in _backward_here: discard() during the pass drops it
-        try:
-            loss.backward()  # type: ignore[no-untyped-call]
-            counter.pause("interrupted")
-            changed = self._window is not window or window.micro_step != before
-            changed = changed or self._pending_items is not items  # discard() in a hook
-            if changed or any_step_hooks(self):  # type: ignore[arg-type]
-                self._end_micro_step(rearm=True, grouping=False)
-                return False
-            if window.count(items):
-                self._close_window(self._window_params())
-                counter.rearm()
-                return False
-            window.stepped, self.did_update = True, False  # what step() does inside the window
-            counter.rearm()
-            return True
         finally:
             self._pending_items = None
 

@@ -178,9 +178,7 @@ class RowSlicer:
         if fast is not None:  # the usual batch: no pytree round trip, every leaf sliced
             self.rows, leaves, self._build = fast
             self.leaves: list[tuple[str, Any, _How]] = [(p, t, "slice") for p, t in leaves]
-            self._dense: list[Tensor] | None = [t for _, t in leaves]  # all dense, sliced alone
             return
-        self._dense = None
         leaves, spec = flatten(batch, api)
         self.rows = _count_rows(leaves, api)
         self._build = builder(spec) or functools.partial(pytree.tree_unflatten, treespec=spec)
@@ -200,8 +198,6 @@ class RowSlicer:
 
     def cut(self, start: int, stop: int, device: torch.device | None) -> Batch:
         """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved)."""
-        if self._dense is not None and device is None:  # the usual batch, nothing to move
-            return self._build([t[start:stop] for t in self._dense])
         return self._build(self._values(start, stop, device))
 
     def split(self, size: int) -> Iterator[tuple[Batch, int]]:

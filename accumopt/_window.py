@@ -251,10 +251,6 @@ class Window:
         2**53 add exactly, so whole items close exactly at the size)."""
         return reaches(self.micro_step, self.items, self.every, self.every_items)
 
-    def fills(self, items: float) -> bool:
-        """Whether one more micro-step of ``items`` items would fill the window."""
-        return reaches(self.micro_step + 1, self.items + items, self.every, self.every_items)
-
     def next_closes(self) -> bool:
         """Whether the next micro-step surely closes the window (known only for ``every=N``)."""
         return self.every is not None and self.micro_step + 1 >= self.every

@@ -159,7 +159,7 @@ class MicroBatchSizer:
 
     def propose(self, key: Hashable, available: int) -> int:
         """The size to try next for inputs of shape ``key`` with ``available`` rows left."""
-        b = self._brackets.get(key) or self._brackets.setdefault(key, _Bracket())
+        b = self._brackets.setdefault(key, _Bracket())
         if b.fits is None:
             size = self.start if b.fails is None else max(1, b.fails // 2)
         elif b.fails is None:  # grow, but never past what this batch can test

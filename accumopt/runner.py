@@ -155,11 +155,14 @@ class MicroBatchRunner:
         check_search(
             "MicroBatchRunner", ("start_size", start_size), tolerance, grow_after, max_size
         )
-        self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
         self.device = torch.device(device) if device is not None else None
         self.loss_reduction = loss_reduction
+        self.model = model
         self._fixed = None if auto else int(micro_batch_size)
-        self._start, self._search = start_size, (tolerance, grow_after, max_size)  # the sizer's
+        self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
+        self._start = start_size
         self.sizer: MicroBatchSizer | None = None
         self._history: list[tuple[str, int, str]] = []
         if auto:
@@ -229,23 +232,19 @@ class MicroBatchRunner:
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
         totals = Totals(return_outputs)
-        own = scaler is None and _own_steps(self.optimizer)  # read once per batch
         if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
             with self.optimizer._counting_deferred(self.optimizer._ranks is not None):
-                self._run_auto(rows_of, scaler, own, totals)
+                self._run_auto(rows_of, scaler, totals)
         else:  # never retried; cut at the window's end
             window, ranks = self.optimizer._window, self.optimizer._sync.world_size
+            own = scaler is None and _own_steps(self.optimizer)  # read once per batch
             for piece, rows in _cuts.fixed_pieces(rows_of, self._fixed, window, ranks):
                 warn_small_batchnorm(self.model, rows)
-                loss, items, out, stepped = self._forward_backward(piece, rows, totals, scaler, own)
-                totals.add(loss, items, out, rows)
-                if not stepped:
-                    self._step(scaler, own)
+                totals.add(*self._forward_backward(piece, rows, totals, scaler), rows)
+                self._step(scaler, own)
         return totals.result()
 
-    def _run_auto(
-        self, rows_of: _tree.RowSlicer, scaler: Scaler, own: bool, totals: Totals
-    ) -> None:
+    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: Totals) -> None:
         """The ``"auto"`` loop. An attempt of a size not proven for these inputs runs with the
         rollback buffer (a snapshot of the buffers and generators before it; one that runs out
         of memory is dropped alone and retried smaller). A window this call opens at a proven
@@ -273,7 +272,7 @@ class MicroBatchRunner:
             failure, result = None, None
             try:
                 piece = rows_of(offset, offset + size)
-                result = self._forward_backward(piece, size, totals, scaler, own)
+                result = self._forward_backward(piece, size, totals, scaler)
             except BaseException as err:  # re-raised below unless it is an OOM we handle
                 if not is_oom(err):
                     self._undo(state, opened, offset)
@@ -299,10 +298,8 @@ class MicroBatchRunner:
                 continue
             assert result is not None and self.sizer is not None
             self.sizer.succeeded(key, size)
-            loss, items, out, stepped = result
-            if not stepped:
-                self._step(scaler, own)
-            totals.add(loss, items, out, size)
+            self._step(scaler, scaler is None and _own_steps(opt))
+            totals.add(*result, size)
             offset += size
             if opened is not None and opt._window.micro_step == 0:  # the window was applied
                 opened = None
@@ -329,16 +326,19 @@ class MicroBatchRunner:
         """The next attempt's size (at most ``left`` rows and the window's room ``fill``) and if
         it ran before (``MicroBatchSizer.proven``); the search starts at start_size or ``left``."""
         if self.sizer is None:
-            self.sizer = MicroBatchSizer(self._start or left, *self._search)
+            self.sizer = MicroBatchSizer(
+                self._start or left,
+                tolerance=self._tolerance,
+                grow_after=self._grow_after,
+                max_size=self._max_size,
+            )
         size = self.sizer.propose(key, left if fill is None else min(left, fill))
         warn_small_batchnorm(self.model, size)
         return size, self.sizer.proven(key, size)
 
     def _forward_backward(
-        self, piece: Any, rows: int, totals: Totals, scaler: Scaler, own: bool
-    ) -> tuple[Tensor, float, Any, bool]:
-        """``(loss, items, outputs, stepped)``: ``stepped`` when the wrapper also did what
-        ``step()`` and ``zero_grad()`` do (``Accumulate._lean_micro_step``; ``own``: see _step)."""
+        self, piece: Any, rows: int, totals: Totals, scaler: Scaler
+    ) -> tuple[Tensor, float, Any]:
         opt = self.optimizer
         with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
             result = self.loss_fn(piece)
@@ -348,10 +348,8 @@ class MicroBatchRunner:
         if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
             params = [] if opt._ranks is None else opt.param_groups
             loss = summed(loss, items, (p for g in params for p in g["params"]))
-        stepped = opt._lean_micro_step(loss, items) if own else None
-        if stepped is None:
-            opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
-        return loss.detach(), items, out, bool(stepped)  # not the graph: a ctx may hold memory
+        opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
+        return loss.detach(), items, out  # not the graph: a ctx or hook may hold memory
 
     def _step(self, scaler: Scaler, own: bool) -> None:  # own: _own_steps(), read per batch
         opt = self.optimizer
