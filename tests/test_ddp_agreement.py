@@ -414,29 +414,6 @@ def test_agreement_matrix_grad_scaler_inf_on_one_rank(agreements: list[dict[str,
 
 
 @pytest.mark.slow
-def test_agreement_matrix_skip_window_inf_on_one_rank(agreements: list[dict[str, Any]]) -> None:
-    (p0, u0), (p1, u1) = (r["skip_window"] for r in agreements)
-    assert p0 == p1 and u0 == u1 == 2
-    assert_exact(p0, full_batch([W2, W3]))
-
-
-@pytest.mark.slow
-def test_agreement_matrix_zero_items_on_one_rank(agreements: list[dict[str, Any]]) -> None:
-    (p0, u0), (p1, u1) = (r["zero_items"] for r in agreements)
-    assert p0 == p1 and u0 == u1 == 2
-    assert_exact(p0, full_batch([ZERO, W2]))
-
-
-@pytest.mark.slow
-def test_agreement_matrix_weighted_window_with_no_item_anywhere_is_skipped(
-    agreements: list[dict[str, Any]],
-) -> None:
-    (p0, u0), (p1, u1) = (r["no_items"] for r in agreements)
-    assert p0 == p1 and u0 == u1 == 2
-    assert_exact(p0, full_batch([W1, W3]))
-
-
-@pytest.mark.slow
 def test_agreement_matrix_runner_oom_on_one_rank_backs_off_on_both(
     agreements: list[dict[str, Any]],
 ) -> None:
@@ -478,9 +455,19 @@ def test_a_plain_micro_step_after_the_auto_runner_is_counted(
 
 
 @pytest.mark.slow
-def test_the_fixed_runner_sums_every_micro_steps_items_over_the_ranks(
-    agreements: list[dict[str, Any]],
+@pytest.mark.parametrize(
+    ("scenario", "windows"),
+    [
+        ("skip_window", [W2, W3]),  # an inf on one rank: both skip that window
+        ("zero_items", [ZERO, W2]),  # zero items on one rank
+        ("no_items", [W1, W3]),  # a weighted window with no item anywhere is skipped
+        # the fixed-size runner: every micro-step's items summed over the ranks
+        ("fixed_runner", [[[(0, 8)], [(8, 16)]], [[(16, 24)], [(24, 32)]]]),
+    ],
+)
+def test_both_ranks_apply_the_same_two_full_batch_updates(
+    agreements: list[dict[str, Any]], scenario: str, windows: list[list[Rows]]
 ) -> None:
-    (p0, u0), (p1, u1) = (r["fixed_runner"] for r in agreements)
+    (p0, u0), (p1, u1) = (r[scenario] for r in agreements)
     assert p0 == p1 and u0 == u1 == 2
-    assert_exact(p0, full_batch([[[(0, 8)], [(8, 16)]], [[(16, 24)], [(24, 32)]]]))
+    assert_exact(p0, full_batch(windows))
