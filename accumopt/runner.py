@@ -259,6 +259,7 @@ class MicroBatchRunner:
         opt = self.optimizer
         # windows without the buffer: one process (ranks agree per micro-batch), no GradScaler
         may_open = ranks is None and scaler is None
+        own = scaler is None and _own_steps(opt)  # read once per batch, as in the fixed loop
         while offset < n:
             fill = _cuts.room(opt._window, opt._sync.world_size)  # the window's end, if near
             size, proven = self._propose(key, n - offset, fill)
@@ -298,7 +299,7 @@ class MicroBatchRunner:
                 continue
             assert result is not None and self.sizer is not None
             self.sizer.succeeded(key, size)
-            self._step(scaler, scaler is None and _own_steps(opt))
+            self._step(scaler, own)
             totals.add(*result, size)
             offset += size
             if opened is not None and opt._window.micro_step == 0:  # the window was applied
