@@ -13,6 +13,8 @@ a per-micro-batch non-finite policy), ``scaler.step`` is refused; build with ``s
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -143,3 +145,18 @@ def adopt_scaler(opt: AccumulatingOptimizer) -> None:
     opt.scaler = buffer.scaler = _checks.check_scaler(scaler)
     if window.micro_step == 1 and not window.closed:
         buffer.unfolded = 1  # the first micro-step, scaled, waits in .grad for this step
+
+
+@contextmanager
+def scaler_call(opt: AccumulatingOptimizer) -> Iterator[None]:
+    """Around the wrapper's ``step()`` at a boundary: ``GradScaler.step`` sets ``grad_scale``
+    and ``found_inf`` on the wrapper for the duration of ``step()`` and deletes them only when
+    it returns; when it raises they are deleted here, so that a plain ``opt.step()`` retried
+    after it does not take the AMP path with that call's values (the next window's first
+    micro-step was unscaled twice, silently)."""
+    try:
+        yield
+    except BaseException:
+        opt.__dict__.pop("grad_scale", None)
+        opt.__dict__.pop("found_inf", None)
+        raise

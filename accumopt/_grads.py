@@ -22,6 +22,14 @@ def params_of(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
     return [p for group in param_groups for p in group["params"]]  # type: ignore[attr-defined]
 
 
+def same_listing(listed: list[Tensor] | None, params: list[Tensor]) -> list[Tensor]:
+    """``listed`` where it holds the tensors of ``params`` in the same order (the same list
+    object while nothing changed), else ``params``."""
+    if listed is not None and len(listed) == len(params) and not any(map(is_not, params, listed)):
+        return listed
+    return params
+
+
 _GRAD = attrgetter("grad")
 
 

@@ -212,7 +212,9 @@ def step_refusal(amp: bool, scaled: bool, opt: _StepState) -> Exception | None:
 
     Args:
         amp: ``step`` was called through ``GradScaler.step``.
-        scaled: a ``GradScaler`` is in use (the gradients are scaled).
+        scaled: a ``GradScaler`` is in use and the gradients are scaled (not a closed window
+            that a ``scaler.step`` which raised after unscaling it left: ``opt.step()`` may
+            retry that one).
         opt: the wrapper.
     """
     if amp and scaled and not opt.will_update and _unscaled(opt):

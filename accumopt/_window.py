@@ -52,6 +52,14 @@ def reaches(micro_step: int, items: float, every: int | None, every_items: float
     return items >= every_items * (1.0 - micro_step * _ROUNDING)
 
 
+_UNANSWERED = (
+    "Accumulate: the window schedule raised when asked for this window's size; the window is "
+    "empty (the one before it was applied) and the schedule is asked again before a "
+    "micro-step joins it."
+)
+"""What :attr:`Window.size_error` holds while the schedule has not answered."""
+
+
 class WindowReport(NamedTuple):
     """What the last window that reached its boundary was (``Accumulate.last_window``): what
     frameworks log after an update.
@@ -159,8 +167,11 @@ class Window:
 
     def resize(self) -> str | None:
         """Ask the schedule for the open window's size: None when it is valid (and set), else
-        why not (kept in :attr:`size_error`; the previous size stays)."""
+        why not (kept in :attr:`size_error`; the previous size stays). A schedule that raises
+        leaves :attr:`size_error` set too: the window has no size yet, and the next micro-step
+        (or the runner's next cut) asks again."""
         assert self.schedule is not None
+        self.size_error = _UNANSWERED  # until the schedule answers (it may raise)
         size = self.schedule(self.updates, self.items_seen)
         self.size_error = self.size_problem(size)
         if self.size_error is None:

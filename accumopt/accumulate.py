@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from operator import is_not
 from threading import get_ident
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import Tensor
 
 from accumopt import _binding, _checkpoint, _checks, _guards, _noise_attach, _refusals, noise
 from accumopt._foreign import accumulation as foreign_accumulation
-from accumopt._grads import params_of
+from accumopt._grads import params_of, same_listing
 from accumopt._inner import any_step_hooks, watch_steps
 from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
 from accumopt._window import SizeFn, Window, WindowReport
@@ -151,16 +150,8 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         to the inner optimizer or edited inside a window are seen), as the same list object
         while they do not change (the window guard's read of ``.grad`` is reused at the close
         only for that object)."""
-        params = params_of(self.param_groups)
-        listed = self._listed
-        if (
-            listed is not None
-            and len(listed) == len(params)
-            and not any(map(is_not, params, listed))
-        ):
-            return listed
-        self._listed = params
-        return params
+        self._listed = same_listing(self._listed, params_of(self.param_groups))
+        return self._listed
 
     def _close_window(self, params: list[Tensor]) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
@@ -229,17 +220,16 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             self._thread = get_ident()
         elif self._thread != get_ident():  # a second thread: refused there and everywhere
             self._counter.pause("thread")
-        if amp and self.scaler is None:  # scaler.step(opt) on a wrapper built without scaler=
-            _binding.adopt_scaler(self)
-        scaled = self._buffer.loss_scale() is not None
-        problem = _refusals.step_refusal(amp, scaled, self)
-        if problem is not None:  # GradScaler deletes these only after a step() that returns
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise problem
-        if self._window.closed and (foreign := foreign_accumulation(self)) is not None:
-            raise RuntimeError(foreign)
-        self._transaction(partial(self._step_body, amp))
+        with _binding.scaler_call(self):
+            if amp and self.scaler is None:  # scaler.step(opt), a wrapper built without scaler=
+                _binding.adopt_scaler(self)
+            scaled = self._buffer.loss_scale() is not None and not self._buffer.unscaled
+            problem = _refusals.step_refusal(amp, scaled, self)
+            if problem is not None:
+                raise problem
+            if self._window.closed and (foreign := foreign_accumulation(self)) is not None:
+                raise RuntimeError(foreign)
+            self._transaction(partial(self._step_body, amp))
 
     def _step_body(self, amp: bool) -> None:
         grad_scale: Tensor | None = self.__dict__.get("grad_scale")
@@ -262,19 +252,28 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
 
     def _finish_window(self, params: list[Tensor], clear_grads: bool = False) -> None:
         """Step the inner optimizer on the window's gradient (or skip it), clear the gradients
-        if ``clear_grads`` (``flush()``), then reset.
+        if ``clear_grads`` (``flush()``), then reset. Retried after any failure (inside a
+        transaction), it does what is left: whether the update was applied is read from the
+        inner optimizer's step count against the count before the window's first attempt (so an
+        update is never applied twice), and the skip decision is taken once. Until the reset the
+        window stays closed (so a checkpoint refuses it, see ``_checkpoint.check_settled``). A
+        failure after the update (a post-step hook, the schedule's next size) clears ``.grad``:
+        the caller's ``zero_grad()`` may not come; the spent gradient must not join the next."""
+        if self._window.inner_base is None:  # the first attempt
+            self._window.inner_base = self._inner_steps[0]
+        base: int = self._window.inner_base
+        try:
+            self._apply_window(params, clear_grads, base)
+        except BaseException:
+            if self._inner_steps[0] > base:  # interrupted here: refusing until discard()
+                consistent, self._consistent = self._consistent, False
+                self.optimizer.zero_grad(set_to_none=True)
+                self._consistent = consistent
+            raise
 
-        Retried after any failure (inside a transaction), it does what is left: whether the
-        update was applied is read from the inner optimizer's step count against the count
-        before the window's first attempt (so an update is never applied twice), and the skip
-        decision is taken once. Until the reset the window stays closed (so a checkpoint
-        refuses it, see ``_checkpoint.check_settled``)."""
-        window = self._window
-        if window.inner_base is None:  # the first attempt
-            window.inner_base = self._inner_steps[0]
-        # From here a failure leaves a window that a retried step() finishes (it redoes only
-        # what is left), except while the gradient is clipped in place.
-        self._consistent = True
+    def _apply_window(self, params: list[Tensor], clear_grads: bool, base: int) -> None:
+        window = self._window  # a failure leaves a window that a retried step() finishes (it
+        self._consistent = True  # redoes only what is left), but while clipping in place
         if window.skip is None:
             finite = self.nonfinite == "skip_window"
             window.skip = window.divisor() is None or self._buffer.skip_window(params, finite)
@@ -282,7 +281,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
             if window.skip:
                 self.optimizer.zero_grad(set_to_none=True)
                 _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
-            elif self._inner_steps[0] == window.inner_base:
+            elif self._inner_steps[0] == base:
                 _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
                 self._consistent = False
                 self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even retried
@@ -290,7 +289,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
                 self.optimizer.step()  # raising before or after updating, the window stays
         finally:  # closed (step() retries); applied is counted at once, a post hook raising
             self._inner_stepping = False
-            if self._inner_steps[0] > window.inner_base:
+            if self._inner_steps[0] > base:
                 self.updates, self.did_update = window.applied(self.updates), True
         self.last_window = window.report(self._buffer.grad_norm, self.did_update)
         if clear_grads:  # before the reset: a failure here leaves the window closed, retried

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from accumopt import Accumulate
+from accumopt import Accumulate, MicroBatchRunner
 from accumopt.schedules import AdaptiveBatch, LinearRamp, Schedule, StepSchedule
 
 OPTS = ["sgd", "adamw"]
@@ -199,6 +199,79 @@ def test_a_bad_size_is_refused_naming_its_update_and_nothing_is_lost(
     sizes[2] = 2  # fixed: the next backward asks again
     opt.backward(mse_sum(model, x[:1], y[:1]))
     assert opt.every == 2 and opt.micro_step == 1
+
+
+class _Flaky:
+    """``sizes[u]`` for update ``u``; raises ``error`` the first time it is asked for update
+    ``fail_at`` (a transient failure, or an interrupt landing inside the schedule)."""
+
+    def __init__(self, sizes: list[float], fail_at: int, error: BaseException) -> None:
+        self.sizes, self.fail_at = sizes, fail_at
+        self.error: BaseException | None = error
+        self.asked: list[int] = []
+
+    def __call__(self, updates: int, _seen: float) -> float:
+        self.asked.append(updates)
+        if updates == self.fail_at and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.sizes[min(updates, len(self.sizes) - 1)]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("transient"), KeyboardInterrupt()])
+def test_a_schedule_that_raises_is_asked_again_before_the_next_window_fills(
+    error: BaseException,
+) -> None:
+    # the schedule raises when asked for window 3, after update 2 was applied: that window
+    # must not keep window 2's size (4 micro-steps instead of 3 was rel 0.2 off, silently, and
+    # a checkpoint resumed there asked the schedule again: resumed and continued runs differed)
+    sizes = [2, 4, 3, 5, 2]
+    ref, acc = mlp(7), mlp(7)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    flaky = _Flaky([float(k) for k in sizes], 2, error)
+    opt = Accumulate(torch.optim.SGD(acc.parameters(), lr=0.1), every=flaky)
+    x, y = data(7, sum(sizes))
+    start = 0
+    for update, k in enumerate(sizes):
+        for j in range(start, start + k):
+            (mse_sum(acc, x[j : j + 1], y[j : j + 1])).backward()
+            if update == 1 and j == start + k - 1:
+                with pytest.raises(type(error)):
+                    opt.step()  # update 2 applied, then the schedule raised for window 3
+                assert opt.updates == 2 and opt.did_update and opt.micro_step == 0
+            else:
+                opt.step()
+            opt.zero_grad()
+        assert opt.updates == update + 1 and opt.last_window is not None
+        assert opt.last_window.micro_steps == k
+        full_batch_step(ref, ref_opt, x[start : start + k], y[start : start + k])
+        assert_same_params(ref, acc)
+        start += k
+    assert flaky.asked.count(2) == 2  # asked again once, at window 3's first micro-step
+
+
+def test_the_runner_cuts_where_the_schedule_says_after_it_raised() -> None:
+    # windows in items: the runner cuts a micro-batch where the window fills, so after the
+    # schedule raised it must ask again before cutting, not cut at the last window's size (a
+    # micro-batch of 5 rows then overshot a window of 4 silently)
+    sizes = [6, 8, 4, 6]
+    ref, acc = mlp(8), mlp(8)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    flaky = _Flaky([float(k) for k in sizes], 2, RuntimeError("transient"))
+    opt = Accumulate(torch.optim.SGD(acc.parameters(), lr=0.1), every_items=flaky)
+    runner = MicroBatchRunner(opt, lambda b: mse_sum(acc, *b), micro_batch_size=5)
+    x, y = data(8, sum(sizes))
+    windows = []
+    opt.optimizer.register_step_post_hook(lambda *_: windows.append(opt.items))
+    with pytest.raises(RuntimeError, match="transient"):  # windows of 6 and 8 rows applied
+        runner((x[:14], y[:14]))
+    runner((x[14:], y[14:]))
+    assert windows == [6.0, 8.0, 4.0, 6.0] and opt.updates == 4
+    start = 0
+    for k in sizes:
+        full_batch_step(ref, ref_opt, x[start : start + k], y[start : start + k])
+        start += k
+    assert_same_params(ref, acc)
 
 
 def test_a_bad_first_size_is_refused_by_the_constructor() -> None:
