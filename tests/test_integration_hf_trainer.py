@@ -16,6 +16,7 @@ import copy
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ from transformers import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
+    XLNetConfig,
+    XLNetLMHeadModel,
 )
 
 from accumopt import Accumulate, MicroBatchRunner
@@ -283,6 +286,44 @@ def test_hf_trainer_label_smoothing_weights_what_the_smoother_averages(renamed: 
     assert rel(trainer.model, reference.model, flat(base)) <= 1e-6
 
 
+def xlnet() -> nn.Module:
+    """A stock causal-LM-named model whose loss is its own code and does not shift the labels
+    (the mean over every label other than -100)."""
+    torch.manual_seed(0)
+    config = XLNetConfig(
+        vocab_size=len(VOCAB) + 1, d_model=16, n_layer=1, n_head=2, d_inner=32, dropout=0.0
+    )
+    return XLNetLMHeadModel(config).double()
+
+
+class CharModel(GPT2LMHeadModel):  # type: ignore[misc]
+    """GPT-2 under a name without a loss type: transformers falls back to ForCausalLMLoss."""
+
+
+def test_hf_trainer_reads_the_label_shift_from_the_loss_the_model_computes() -> None:
+    """Whether labels[..., 1:] are counted came from the class name: XLNetLMHeadModel (and
+    XLMWithLMHeadModel, TrOCRForCausalLM), whose own loss code does not shift, were weighted
+    by the shifted count, silently (rel 3e-3; found by the fault sweep). A model computing
+    its loss through transformers' loss function is read from it (a GPT-2 under another name
+    shifts); one with its own loss code under a causal-LM name is refused until told."""
+    data = sequences(SAMPLES)
+    with tempfile.TemporaryDirectory() as tmp:
+        refused = accumulate_trainer(tmp, xlnet(), data, num_train_epochs=1)
+        with pytest.raises(ValueError, match="cannot tell whether the loss"):
+            refused.train()
+        assert refused.accumulate.updates == 0
+        reference = run_full(tmp, xlnet(), data, num_train_epochs=1)
+        told = accumulate_trainer(tmp, xlnet(), data, num_train_epochs=1)
+        told.shift_labels = False
+        told.train()
+        renamed = gpt2()
+        renamed.__class__ = CharModel
+        del renamed._loss_function, renamed.loss_type  # transformers' own loss, none by name
+        shifts = accumulate_trainer(tmp, renamed, data, max_steps=1)._shifts()
+    assert rel(told.model, reference.model, flat(xlnet())) <= 1e-12
+    assert shifts
+
+
 def test_hf_trainer_micro_batch_without_tokens_adds_nothing() -> None:
     data = sequences(8, seed=5)
     for i in (2, 3):  # the second micro-batch (sequential order) has no token with a loss
@@ -389,6 +430,35 @@ def test_hf_trainer_resume_from_checkpoint_is_bit_for_bit(
         assert torch.equal(p, q)
 
 
+def test_hf_trainer_a_window_file_of_another_save_is_never_loaded(
+    gpt2_runs: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A window file beside an optimizer.pt of another save (an earlier run into the same
+    output_dir, a rollback) was loaded on resume, its window and inner state replacing the
+    checkpoint's: rel 0.18, silently (found by the fault sweep). Now a save removes this rank's
+    file first, a stale file beside a boundary checkpoint is ignored with a warning, and one
+    beside a mid-window checkpoint of another position is refused."""
+    base, data, done = gpt2_runs["base"], gpt2_runs["data"], gpt2_runs["trainer"]
+    name = hf_trainer.WINDOW_FILE.format(rank=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Interrupt(open_at=2, open_micro=2, closed_at=0)
+        interrupted(tmp, base, data, stop, save_strategy="steps", save_steps=1)
+        stale = os.path.join(tmp, "closed", name)  # a closed window before update 1
+        shutil.copy(stale, os.path.join(tmp, "checkpoint-1", name))  # beside update 1's
+        resumed = accumulate_trainer(tmp, copy.deepcopy(base), data)
+        with caplog.at_level(logging.WARNING, logger="accumopt"):
+            resumed.train(resume_from_checkpoint=os.path.join(tmp, "checkpoint-1"))
+        assert "is left over from an earlier save" in caplog.text
+        shutil.copy(stale, os.path.join(tmp, "open", name))  # beside a mid-window one
+        again = accumulate_trainer(tmp, copy.deepcopy(base), data)
+        with pytest.raises(RuntimeError, match="come from different saves"):
+            again.train(resume_from_checkpoint=os.path.join(tmp, "open"))
+        resumed._save_optimizer_and_scheduler(os.path.join(tmp, "checkpoint-1"))
+        assert not os.path.exists(os.path.join(tmp, "checkpoint-1", name))  # saved at a boundary
+    for p, q in zip(resumed.model.parameters(), done.model.parameters()):
+        assert torch.equal(p, q)
+
+
 class RaiseOnce(TrainerCallback):
     """Raises at the first call of the Trainer event ``event``."""
 
@@ -431,8 +501,6 @@ def ddp_scenario(rank: int) -> dict[str, Any]:
     """On each of 2 ranks: the full-batch Trainer, AccumulateTrainer (every=3), and a run
     stopped mid-window and resumed. Accelerate's even_batches is off, so that neither run
     repeats samples to even out the ranks' last batches."""
-    import shutil
-
     import torch.distributed as dist
 
     os.environ.update(

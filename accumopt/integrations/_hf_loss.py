@@ -13,6 +13,8 @@ assumed to be a mean over the items ``count_items`` counts.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,3 +83,65 @@ def smoother_shifts(model: Any) -> bool:
     peft = _is_peft_model(model)  # type: ignore[no-untyped-call]
     named = model.base_model.model if peft else model
     return named._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+AMBIGUOUS_SHIFT = (
+    "AccumulateTrainer: {model} computes its loss in code of its own (not through transformers' "
+    "loss functions), and its name says causal LM, so accumopt cannot tell whether the loss "
+    "predicts labels[..., 1:] (ClvpForCausalLM shifts; XLNetLMHeadModel, XLMWithLMHeadModel and "
+    "TrOCRForCausalLM do not), which decides how many labels each micro-batch is weighted by. "
+    "Nothing was trained. Expected AccumulateTrainer(..., shift_labels=True) if the loss "
+    "shifts the labels, shift_labels=False if it does not, or count_items overridden to return "
+    "what the loss is a mean over."
+)
+
+
+def loss_shifts(model: Any, trainer_guess: bool, own_loss: bool) -> bool:
+    """Whether the micro-batch loss of ``model`` (unwrapped) predicts ``labels[..., 1:]``.
+
+    - An encoder-decoder: no (as ``Trainer._loss_shifts_labels``).
+    - A loss computed outside the model (``own_loss``: ``compute_loss_func``, an overridden
+      ``compute_loss``) or by a ``loss_function`` replaced on it: the Trainer's guess
+      (``trainer_guess``: a ``ForCausalLMLoss`` loss type) or a ``*ForCausalLM`` /
+      ``*LMHeadModel`` class name (README: say ``shift_labels`` otherwise).
+    - A ``forward`` that calls ``self.loss_function`` (itself or through ``super().forward``):
+      yes where its ``loss_type`` maps to ``ForCausalLMLoss``, or is None (transformers then
+      uses ``ForCausalLMLoss``: ``GPT2LMHeadModel``, ``ReformerModelWithLMHead``).
+    - A loss in code of the model's own: no, unless its name or the Trainer's guess says
+      causal LM, where the code decides and :data:`AMBIGUOUS_SHIFT` is raised.
+
+    Raises:
+        ValueError: :data:`AMBIGUOUS_SHIFT`.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if own_loss or "_loss_function" in vars(model):  # model.loss_function = f: the user's
+        return trainer_guess or causal
+    if _through_loss_function(model.__class__):
+        loss = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "", ForCausalLMLoss)
+        return loss is ForCausalLMLoss
+    if causal or trainer_guess:
+        raise ValueError(AMBIGUOUS_SHIFT.format(model=type(model).__name__))
+    return False
+
+
+@functools.cache
+def _through_loss_function(cls: Any) -> bool:
+    """Whether ``cls.forward`` computes its loss with ``self.loss_function`` (read from its
+    source, following ``super().forward``); False where the source cannot be read."""
+    for klass in cls.__mro__:
+        forward = vars(klass).get("forward")
+        if forward is None:
+            continue
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            return False
+        if "self.loss_function" in source:
+            return True
+        if "super().forward(" not in source:
+            return False
+    return False

@@ -40,8 +40,10 @@ from torch import Tensor, nn
 
 from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.distributed import is_distributed
+from accumopt.integrations import _hf_window_file as window_file
 from accumopt.integrations._hf_boundary import Boundary, find
-from accumopt.integrations._hf_loss import loss_refusal, smoother_shifts, zero_loss
+from accumopt.integrations._hf_loss import loss_refusal, loss_shifts, smoother_shifts, zero_loss
+from accumopt.integrations._hf_window_file import WINDOW_FILE
 
 
 class TransformersMissing(ImportError):
@@ -61,9 +63,6 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 __all__ = ["WINDOW_FILE", "AccumulateTrainer", "TransformersMissing", "check_trainer_hooks"]
-
-WINDOW_FILE = "accumopt_window_rank{rank}.pt"
-"""Per-rank file, in a checkpoint folder, of a window open when the checkpoint was written."""
 
 _IGNORE_INDEX = -100  # the label every Hugging Face loss ignores
 _LOG = logging.getLogger("accumopt")
@@ -115,9 +114,9 @@ class AccumulateTrainer(Trainer):
             updates.
         shift_labels: whether the model's loss predicts ``labels[..., 1:]`` (a causal LM that
             shifts internally); None: with label smoothing, the smoother's own rule (a
-            causal-LM class name of transformers' mapping); else the Trainer's guess (a
-            ``ForCausalLMLoss`` loss type) or a decoder-only class named ``*ForCausalLM`` /
-            ``*LMHeadModel``. For :meth:`count_items`.
+            causal-LM class name of transformers' mapping); else read from the model
+            (``_hf_loss.loss_shifts``: the loss function its ``forward`` calls; a causal-LM
+            name whose loss is its own code is refused, say it here). For :meth:`count_items`.
 
     ``self.args`` becomes a copy with ``gradient_accumulation_steps = k`` (micro-batches per
     update, per rank). The wrapper's ``max_grad_norm`` is set to ``args.max_grad_norm`` when it
@@ -296,7 +295,8 @@ class AccumulateTrainer(Trainer):
         Returns: an int >= 0: the labels other than -100 in ``shift_labels`` if present, else in
             ``labels`` (``labels[..., 1:]`` if the loss shifts, see ``shift_labels``); without
             labels, the rows (dim 0 of the first tensor). Override it for other losses.
-        Raises: ValueError: the micro-batch holds no tensor.
+        Raises: ValueError: the micro-batch holds no tensor; the labels' shift cannot be read
+            from the model (``_hf_loss.AMBIGUOUS_SHIFT``: say ``shift_labels``).
         """
         labels = inputs.get("shift_labels")
         if labels is None and inputs.get("labels") is not None:
@@ -315,10 +315,9 @@ class AccumulateTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if self.label_smoother is not None and self.compute_loss_func is None:
             return smoother_shifts(model)  # the smoother's loss, shifted by its own rule
-        config = getattr(model, "config", None)
-        causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))  # GPT2LMHeadModel
-        causal = causal and not getattr(config, "is_encoder_decoder", False)
-        return bool(getattr(self, "_loss_shifts_labels", False)) or causal
+        own = self.compute_loss_func is not None  # the loss is not the model's
+        own |= type(self).compute_loss is not Trainer.compute_loss
+        return loss_shifts(model, bool(getattr(self, "_loss_shifts_labels", False)), own)
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -359,19 +358,17 @@ class AccumulateTrainer(Trainer):
         return self._norm  # filled by Boundary.step: the window's pre-clip norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        opt = self.accumulate
-        if opt.micro_step > 0:  # each rank's own partial gradient (unsynchronised so far)
-            os.makedirs(output_dir, exist_ok=True)
-            name = WINDOW_FILE.format(rank=self.args.process_index)
-            torch.save(opt.state_dict(), os.path.join(output_dir, name))
+        write = super()._save_optimizer_and_scheduler
+        window_file.save(
+            self.accumulate, output_dir, self.args.process_index, lambda: write(output_dir)
+        )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
             self._adopt(self.model_wrapped)
-        main_window: list[bool] = []  # optimizer.pt's window, the main process's (not loaded)
+        main: list[tuple[Any, int]] = []  # optimizer.pt's position (its window: not loaded)
         hook = self.accumulate.register_load_state_dict_pre_hook(
-            lambda _, state: _without_window(state, main_window)
+            lambda _, state: window_file.without_window(state, main)
         )
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -382,19 +379,9 @@ class AccumulateTrainer(Trainer):
         path = os.path.join(checkpoint, WINDOW_FILE.format(rank=self.args.process_index))
         if os.path.isfile(path):  # applied once the Trainer has zeroed the gradients
             where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
-            self._reload = torch.load(path, map_location=where, weights_only=True)
-        elif main_window:  # only the main process's window, in optimizer.pt
+            self._reload = window_file.load(path, main, where)
+        elif main and main[0][1] > 0:  # only the main process's window, in optimizer.pt
             raise RuntimeError(
                 f"AccumulateTrainer: {checkpoint} was written mid-window but has no {path}; "
                 "expected one window file per rank (each rank's own partial gradient)."
             )
-
-
-def _without_window(state: Any, seen: list[bool]) -> Any:
-    """``optimizer.pt``'s state dict without its open window (noted in ``seen``): that window
-    is the main process's, and each rank's own comes from its window file."""
-    entry = state.get("accumopt") if isinstance(state, dict) else None
-    if not isinstance(entry, dict) or entry.get("window") is None:
-        return None
-    seen.append(True)
-    return {**state, "accumopt": {**entry, "window": None}}
