@@ -48,6 +48,19 @@ UNKNOWN_LOSS = (
 )
 
 
+NOT_LABEL_MEANS = ("Musicgen", "MusicgenMelody", "MoshiForConditionalGeneration")
+"""Stock classes (name prefixes) whose loss code is not a mean over ``labels`` other than -100,
+whatever their ``loss_type`` says: Musicgen's is a mean of per-codebook means that also
+ignores the padding token; Moshi's labels are ``text_labels`` and ``audio_labels``."""
+
+AUX_LOSS = (
+    "AccumulateTrainer: {model} adds an auxiliary loss computed from each micro-batch as a "
+    "whole ({what}): a statistic of the micro-batch, not a sum over its items, so the window's "
+    "update is not the full-batch update (as with BatchNorm). Set it to 0 / False in the "
+    "config for exact accumulation, or accept the difference."
+)
+
+
 def loss_refusal(model: Any, own_count: bool, own_loss: bool) -> str | None:
     """Why the Trainer's micro-batch loss cannot be weighted by ``count_items``, or None.
 
@@ -56,10 +69,34 @@ def loss_refusal(model: Any, own_count: bool, own_loss: bool) -> str | None:
             ``compute_loss_func`` (or an overridden ``compute_loss``) computes the loss.
     """
     loss_type = getattr(model, "loss_type", None)
-    if own_count or own_loss or loss_type is None or loss_type in MEAN_OVER_LABELS:
+    if own_count or own_loss:
+        return None
+    if type(model).__name__.startswith(NOT_LABEL_MEANS):
+        loss_type = f"{loss_type}, but its own loss code"
+    elif loss_type is None or loss_type in MEAN_OVER_LABELS:
         return None
     known = ", ".join(sorted(MEAN_OVER_LABELS))
     return UNKNOWN_LOSS.format(model=type(model).__name__, loss_type=loss_type, known=known)
+
+
+def aux_loss_warning(model: Any) -> str | None:
+    """The warning for a model whose config adds a per-micro-batch auxiliary loss (a MoE
+    router's load-balancing loss, a router z-loss) to the token mean, or None."""
+    config = getattr(model, "config", None)
+    router = bool(getattr(config, "output_router_logits", False))  # MoE: router losses on
+    terms: tuple[tuple[str, bool], ...] = (
+        ("router_aux_loss_coef", router),
+        ("router_z_loss_coef", router),
+        ("z_loss_coefficient", True),
+    )
+    found = [
+        f"{name}={getattr(config, name)!r}"
+        for name, on in terms
+        if on and getattr(config, name, None)
+    ]
+    if router and not hasattr(config, "router_aux_loss_coef"):
+        found.append("output_router_logits=True")
+    return AUX_LOSS.format(model=type(model).__name__, what=", ".join(found)) if found else None
 
 
 def zero_loss(outputs: Any, opt: Any) -> Tensor:

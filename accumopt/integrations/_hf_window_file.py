@@ -29,6 +29,11 @@ _STALE = (
     "but the checkpoint beside it was written at an accumulation boundary (after %s update(s)): "
     "the file is left over from an earlier save into this folder. Resuming at the boundary."
 )
+_UNMATCHED = (
+    "AccumulateTrainer: ignored %s: the checkpoint beside it has no optimizer.pt with accumopt's "
+    "state to match it against (saved with save_only_model, or by a plain Trainer), so it is "
+    "left over from another save. Resuming without a window."
+)
 _MISMATCH = (
     "AccumulateTrainer: {path} holds a window of {micro} micro-step(s) after {updates} "
     "update(s), but the checkpoint's optimizer.pt was written {main_micro} micro-step(s) into "
@@ -76,9 +81,13 @@ def without_window(state: Any, seen: list[tuple[Any, int]]) -> Any:
 def load(path: str, seen: list[tuple[Any, int]], device: Any) -> dict[str, Any] | None:
     """This rank's window from ``path`` if it belongs to the ``optimizer.pt`` loaded beside it
     (``seen``: its position, if it was loaded), else None for a stale file of a boundary
-    checkpoint (logged); raises RuntimeError for a file of another mid-window save."""
+    checkpoint or one without accumopt's ``optimizer.pt`` (logged); raises RuntimeError for a
+    file of another mid-window save."""
+    if not seen:  # no optimizer.pt (save_only_model), or one a plain Trainer wrote
+        _LOG.warning(_UNMATCHED, path)
+        return None
     saved = torch.load(path, map_location=device, weights_only=True)
-    if not seen or position(saved) == seen[0]:
+    if position(saved) == seen[0]:
         return saved  # type: ignore[no-any-return]
     (updates, micro), (main_updates, main_micro) = position(saved), seen[0]
     if main_micro == 0:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,7 +43,13 @@ from accumopt.accumulate import AccumulatingOptimizer
 from accumopt.distributed import is_distributed
 from accumopt.integrations import _hf_window_file as window_file
 from accumopt.integrations._hf_boundary import Boundary, find
-from accumopt.integrations._hf_loss import loss_refusal, loss_shifts, smoother_shifts, zero_loss
+from accumopt.integrations._hf_loss import (
+    aux_loss_warning,
+    loss_refusal,
+    loss_shifts,
+    smoother_shifts,
+    zero_loss,
+)
 from accumopt.integrations._hf_window_file import WINDOW_FILE
 
 
@@ -208,13 +215,16 @@ class AccumulateTrainer(Trainer):
         """Run by :meth:`train`. Raises RuntimeError for setups whose gradients the wrapper
         cannot own: DeepSpeed, FSDP, an fp16 ``GradScaler`` (bf16 needs none), ``DataParallel``,
         context/sequence parallelism, ``auto_find_batch_size``; a model whose loss is not a
-        mean over the items :meth:`count_items` counts (``_hf_loss.loss_refusal``)."""
+        mean over the items :meth:`count_items` counts (``_hf_loss.loss_refusal``). Warns
+        (UserWarning) for a per-micro-batch auxiliary loss (``_hf_loss.aux_loss_warning``)."""
         own_count = type(self).count_items is not AccumulateTrainer.count_items
         own_loss = self.compute_loss_func is not None
         own_loss |= type(self).compute_loss is not Trainer.compute_loss
         model = self.accelerator.unwrap_model(self.model)
         if (loss := loss_refusal(model, own_count, own_loss)) is not None:
             raise RuntimeError(loss)
+        if not own_loss and (aux := aux_loss_warning(model)) is not None:
+            warnings.warn(aux, UserWarning, stacklevel=3)
         problems = []
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             problems.append("DeepSpeed/FSDP (they own the gradients)")
