@@ -544,6 +544,16 @@ def ddp_scenario(rank: int) -> dict[str, Any]:
         torch.equal(p, q) for p, q in zip(resumed.model.parameters(), trainer.model.parameters())
     )
     dist.barrier()
+    if rank == 1:  # rank 1's window is lost: both ranks refuse (rank 0 trained on alone)
+        os.remove(os.path.join(path, hf_trainer.WINDOW_FILE.format(rank=1)))
+    dist.barrier()
+    try:
+        accumulate_trainer(tmp, copy.deepcopy(base), data, every=3, **extra).train(
+            resume_from_checkpoint=path
+        )
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    dist.barrier()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -563,6 +573,8 @@ def test_hf_trainer_ddp_two_ranks_equal_full_batch_and_resume_mid_window() -> No
         assert got["rel"] <= 1e-12, (rank, got["rel"])
         assert got["updates"] == (2, 2), rank  # 3 micro-batches, then 2
         assert got["window_file"] and got["resumed_equal"], (rank, got)
+        said = ("another rank refused", "written mid-window but has no")[rank]
+        assert said in got.get("refused", ""), (rank, got)
     assert results[0]["hf_trainer"]["grad_norm"] == results[1]["hf_trainer"]["grad_norm"]
 
 

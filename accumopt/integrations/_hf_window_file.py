@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from accumopt.accumulate import AccumulatingOptimizer
 
@@ -33,6 +34,14 @@ _UNMATCHED = (
     "AccumulateTrainer: ignored %s: the checkpoint beside it has no optimizer.pt with accumopt's "
     "state to match it against (saved with save_only_model, or by a plain Trainer), so it is "
     "left over from another save. Resuming without a window."
+)
+_MISSING = (
+    "AccumulateTrainer: {checkpoint} was written mid-window but has no {path}; expected one "
+    "window file per rank (each rank's own partial gradient)."
+)
+_OTHER_RANK = (
+    "AccumulateTrainer: another rank refused the window files of {checkpoint} (its error says "
+    "why); every rank stops, so that none trains on alone."
 )
 _MISMATCH = (
     "AccumulateTrainer: {path} holds a window of {micro} micro-step(s) after {updates} "
@@ -102,3 +111,31 @@ def load(path: str, seen: list[tuple[Any, int]], device: Any) -> dict[str, Any] 
             main_updates=main_updates,
         )
     )
+
+
+def resume(checkpoint: str, rank: int, seen: list[tuple[Any, int]], device: Any) -> Any:
+    """This rank's window to resume ``checkpoint`` with (:func:`load`), or None. Under
+    ``torch.distributed`` the ranks agree first (one all-reduce of a flag): where any rank
+    refuses (its file missing beside a mid-window ``optimizer.pt``, or of another save), every
+    rank raises, before any training.
+
+    Raises:
+        RuntimeError: this rank's refusal, or :data:`_OTHER_RANK`.
+    """
+    path = os.path.join(checkpoint, WINDOW_FILE.format(rank=rank))
+    saved, problem = None, None
+    try:
+        if os.path.isfile(path):
+            saved = load(path, seen, device)
+        elif seen and seen[0][1] > 0:  # only the main process's window, in optimizer.pt
+            raise RuntimeError(_MISSING.format(checkpoint=checkpoint, path=path))
+    except RuntimeError as err:
+        problem = err
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(problem is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and problem is None:
+            problem = RuntimeError(_OTHER_RANK.format(checkpoint=checkpoint))
+    if problem is not None:
+        raise problem
+    return saved

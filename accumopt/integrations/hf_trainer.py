@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -386,12 +385,6 @@ class AccumulateTrainer(Trainer):
             hook.remove()
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, WINDOW_FILE.format(rank=self.args.process_index))
-        if os.path.isfile(path):  # applied once the Trainer has zeroed the gradients
-            where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
-            self._reload = window_file.load(path, main, where)
-        elif main and main[0][1] > 0:  # only the main process's window, in optimizer.pt
-            raise RuntimeError(
-                f"AccumulateTrainer: {checkpoint} was written mid-window but has no {path}; "
-                "expected one window file per rank (each rank's own partial gradient)."
-            )
+        where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
+        # applied once the Trainer has zeroed the gradients (get_batch_samples)
+        self._reload = window_file.resume(checkpoint, self.args.process_index, main, where)
