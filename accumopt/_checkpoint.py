@@ -146,7 +146,12 @@ def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> N
         opt.noise_scale.load_state_dict(extra["noise_scale"])
     # a restored window starts from its own gradients only: none left from a live window, the
     # last update before zero_grad(), or a backward pass that failed part-way
-    opt._restart(clear_grads=True)
+    try:
+        opt._restart(clear_grads=True)  # asks a schedule for a size (it may raise)
+    except BaseException:
+        if window is not None:  # not restored: refusing until discard() or another load
+            opt._counter.pause("interrupted")
+        raise
     if window is not None:
         opt._window.restore(window)
         with torch.no_grad():

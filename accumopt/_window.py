@@ -263,7 +263,10 @@ class Window:
         return reaches(self.micro_step, self.items, self.every, self.every_items)
 
     def next_closes(self) -> bool:
-        """Whether the next micro-step surely closes the window (known only for ``every=N``)."""
+        """Whether the next micro-step surely closes the window (known only for ``every=N``;
+        a schedule that has not answered is asked again, and while it has not, no)."""
+        if self.size_error is not None and self.resize() is not None:
+            return False
         return self.every is not None and self.micro_step + 1 >= self.every
 
     def divisor(self, world_size: int = 1) -> float | None:
@@ -308,14 +311,16 @@ class Window:
             load(progress["schedule_state"])
 
     def position(self) -> dict[str, Any]:
-        """The open window's position, for a checkpoint."""
+        """The open window's position, for a checkpoint (``"size"`` None while the schedule
+        has given no valid size: a copy asks it again too)."""
+        size = self.every_items if self.in_items else self.every
         return {
             "micro_step": self.micro_step,
             "items": self.items,
             "weighted": self.weighted,
             "closed": self.closed,
             "stepped": self.stepped,
-            "size": self.every_items if self.in_items else self.every,
+            "size": size if self.size_error is None else None,
         }
 
     def restore(self, position: dict[str, Any]) -> None:
@@ -328,3 +333,5 @@ class Window:
         if self.schedule is not None and position.get("size") is not None:
             self._set_size(position["size"])  # the size the open window was opened with
             self.size_error = None
+        elif self.schedule is not None:  # copied before the schedule gave a valid size
+            self.size_error = _UNANSWERED

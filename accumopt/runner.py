@@ -228,6 +228,8 @@ class MicroBatchRunner:
         class), as they were when that window opened, and the window is dropped too.
         """
         self.optimizer._check_not_paused("backward")  # outside the attempts: no OOM of one
+        if self.optimizer.will_update and (closed := self.optimizer._window.refusal(True)):
+            raise closed[0](f"{closed[1]} MicroBatchRunner: nothing of this batch was run.")
         rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
         scaler = self.optimizer.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None

@@ -15,6 +15,7 @@ from torch import nn
 
 import accumopt
 from accumopt import Accumulate, MicroBatchRunner
+from accumopt.testing import simulate_oom
 
 X = torch.randn(24, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 Y = torch.randn(24, 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -335,6 +336,27 @@ def test_a_step_that_raises_after_its_update_leaves_no_gradient_for_the_next_win
             opt.step()  # finishes the window: the hook does not run again
     assert opt.updates == 3
     assert_matches(model, reference([[(a, a + 6)] for a in range(0, 18, 6)]))
+
+
+def test_the_auto_runner_refuses_a_closed_window_before_it_tries_a_size() -> None:
+    """A closed window waiting for step() (a post-step hook raised): an "auto" runner call whose
+    first attempt ran out of memory said "drop_micro_step: the window is complete", from its
+    out-of-memory recovery (found by review); it is refused at once with the window's own
+    refusal, and opt.step() then finishes the window."""
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=6)
+    opt.optimizer.register_step_post_hook(RaiseOnce(lambda *_: None, RuntimeError("injected")))
+    runner = MicroBatchRunner(opt, lambda rows: loss_of(model, rows[0], rows[-1] + 1))
+    with pytest.raises(RuntimeError, match="injected"):
+        runner(torch.arange(0, 6))
+    with simulate_oom(model, 2), pytest.raises(RuntimeError, match="closed"):
+        MicroBatchRunner(opt, lambda rows: loss_of(model, rows[0], rows[-1] + 1))(
+            torch.arange(6, 12)
+        )
+    opt.step()
+    runner(torch.arange(6, 12))
+    assert opt.updates == 2
+    assert_matches(model, reference([[(0, 6)], [(6, 12)]]))
 
 
 def test_fractional_items_close_the_window_at_their_total_despite_rounding() -> None:

@@ -250,6 +250,76 @@ def test_a_schedule_that_raises_is_asked_again_before_the_next_window_fills(
     assert flaky.asked.count(2) == 2  # asked again once, at window 3's first micro-step
 
 
+@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+def test_a_copy_taken_before_the_schedule_answered_asks_it_again(copy_by: str) -> None:
+    """A copy (deepcopy, pickle) taken while the schedule had not answered restored the last
+    window's size and never asked again (rel 0.16, silently; found by review)."""
+    sizes = [2, 3, 1, 4]
+    flaky = _Flaky([float(k) for k in sizes], 1, RuntimeError("transient"))
+    model = mlp(9)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=flaky)
+    x, y = data(9, sum(sizes))
+    for j in range(2):
+        mse_sum(model, x[j : j + 1], y[j : j + 1]).backward()
+        if j == 0:
+            opt.step()
+        else:
+            with pytest.raises(RuntimeError, match="transient"):
+                opt.step()  # update 1 applied, then the schedule raised for window 2
+    if copy_by == "deepcopy":
+        model, opt = copy.deepcopy((model, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save((model, opt), buf)
+        buf.seek(0)
+        model, opt = torch.load(buf, weights_only=False)
+    windows = []
+    for j in range(2, sum(sizes)):
+        mse_sum(model, x[j : j + 1], y[j : j + 1]).backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.did_update:
+            windows.append(opt.last_window.micro_steps)  # type: ignore[union-attr]
+    assert windows == sizes[1:]
+    ref = mlp(9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for a, b in itertools.pairwise(itertools.accumulate([0, *sizes])):
+        full_batch_step(ref, ref_opt, x[a:b], y[a:b])
+    assert_same_params(ref, model)
+
+
+def test_a_load_whose_schedule_raises_refuses_until_loaded_again() -> None:
+    """Loading a mid-window checkpoint asks the schedule for a fresh window first; when it
+    raised there, the checkpoint's window was not restored but the wrapper went on without it
+    (rel 0.16; found by review). It now refuses until another load (or discard())."""
+    model = mlp(10)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=_fixed([3]))
+    x, y = data(10, 3)
+    mse_sum(model, x[:1], y[:1]).backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin = mlp(10)
+    flaky = _Flaky([3.0], 0, RuntimeError("transient"))
+    flaky.fail_at, flaky.error = 0, None  # the twin's constructor asks first: answered
+    loaded = Accumulate(torch.optim.SGD(twin.parameters(), lr=0.1), every=flaky)
+    flaky.error = RuntimeError("transient")
+    with pytest.raises(RuntimeError, match="transient"):
+        loaded.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="interrupted part-way"):
+        mse_sum(twin, x[1:2], y[1:2]).backward()
+        loaded.step()
+    loaded.discard()  # the refused pass is dropped with the empty window
+    loaded.load_state_dict(saved)  # asked again: answered
+    twin.load_state_dict(model.state_dict())
+    for j in (1, 2):
+        mse_sum(twin, x[j : j + 1], y[j : j + 1]).backward()
+        loaded.step()
+    ref = mlp(10)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    assert loaded.updates == 1 and loaded.did_update
+    assert_same_params(ref, twin)
+
+
 def test_the_runner_cuts_where_the_schedule_says_after_it_raised() -> None:
     # windows in items: the runner cuts a micro-batch where the window fills, so after the
     # schedule raised it must ask again before cutting, not cut at the last window's size (a
