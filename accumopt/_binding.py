@@ -157,6 +157,6 @@ def scaler_call(opt: AccumulatingOptimizer) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        opt.__dict__.pop("found_inf", None)  # first: without it, step() takes no AMP path
         opt.__dict__.pop("grad_scale", None)
-        opt.__dict__.pop("found_inf", None)
         raise

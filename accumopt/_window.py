@@ -90,6 +90,8 @@ _EMPTY = {
     "skip": None,
 }
 """An empty window's position (see :class:`Window`)."""
+_EMPTY_UNANSWERED = {**_EMPTY, "size_error": _UNANSWERED}
+"""An empty scheduled window, before the schedule answered."""
 
 
 class Window:
@@ -155,8 +157,9 @@ class Window:
         Raises:
             ValueError: the schedule gave a bad size (see :meth:`size_problem`).
         """
-        # one C call (dict.update): a KeyboardInterrupt lands before or after all of them
-        self.__dict__.update(_EMPTY)
+        # one C call (dict.update): a KeyboardInterrupt lands before or after all of them; a
+        # scheduled window has no size until the schedule answers
+        self.__dict__.update(_EMPTY if self.schedule is None else _EMPTY_UNANSWERED)
         try:
             error = None if self.schedule is None else self.resize()
         finally:
@@ -173,10 +176,11 @@ class Window:
         assert self.schedule is not None
         self.size_error = _UNANSWERED  # until the schedule answers (it may raise)
         size = self.schedule(self.updates, self.items_seen)
-        self.size_error = self.size_problem(size)
-        if self.size_error is None:
+        problem = self.size_problem(size)
+        if problem is None:
             self._set_size(size)
-        return self.size_error
+        self.size_error = problem  # last: interrupted before, the window stays unanswered
+        return problem
 
     def size_problem(self, size: Any) -> str | None:
         """Why ``size`` cannot be this window's size (message), or None when it can."""
@@ -263,11 +267,10 @@ class Window:
         return reaches(self.micro_step, self.items, self.every, self.every_items)
 
     def next_closes(self) -> bool:
-        """Whether the next micro-step surely closes the window (known only for ``every=N``;
-        a schedule that has not answered is asked again, and while it has not, no)."""
-        if self.size_error is not None and self.resize() is not None:
-            return False
-        return self.every is not None and self.micro_step + 1 >= self.every
+        """Whether the next micro-step surely closes the window (known only for ``every=N``
+        with a valid size: not while a schedule has not given one)."""
+        every = self.every
+        return self.size_error is None and every is not None and self.micro_step + 1 >= every
 
     def divisor(self, world_size: int = 1) -> float | None:
         """What the window's sum over all ranks is divided by; None for a weighted window

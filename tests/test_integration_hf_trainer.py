@@ -596,12 +596,59 @@ def small_trainer(tmp: str, opt: Any = "sgd", **kwargs: Any) -> AccumulateTraine
     )
 
 
-def test_hf_trainer_refuses_a_window_in_items() -> None:
-    def items(m: nn.Module) -> Accumulate:
-        return Accumulate(torch.optim.SGD(m.parameters(), lr=LR), every_items=64)
+@pytest.mark.parametrize("window", ["every_items", "a schedule"])
+def test_hf_trainer_refuses_a_window_in_items_or_a_schedule(window: str) -> None:
+    """A schedule was accepted (``opt.every`` reads its current size; found by review): the
+    Trainer would cut every window at the first size."""
+
+    def build(m: nn.Module) -> Accumulate:
+        sgd = torch.optim.SGD(m.parameters(), lr=LR)
+        if window == "every_items":
+            return Accumulate(sgd, every_items=64)
+        return Accumulate(sgd, every=lambda updates, _seen: 2 + updates)
 
     with tempfile.TemporaryDirectory() as tmp, pytest.raises(ValueError, match="every=<int>"):
-        small_trainer(tmp, items)
+        small_trainer(tmp, build)
+
+
+class LossOfItsOwn(GPT2LMHeadModel):  # type: ignore[misc]
+    """A causal-LM name whose forward calls super().forward() without labels and computes an
+    unshifted mean of its own."""
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kw: Any
+    ) -> Any:
+        out = super().forward(input_ids)
+        if labels is not None:
+            out.loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        return out
+
+
+def test_hf_trainer_label_shift_of_overrides_and_peft_wrappers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two holes of the rule that reads the shift from the loss (found by review): an override
+    with loss code of its own that calls super().forward() was read as the parent's (shifted)
+    loss, silently; a PEFT wrapper's forward (which calls its base model) was refused. The
+    override is refused until told; the PEFT wrapper is read through to the model it wraps."""
+    model = gpt2()
+    del model._loss_function, model.loss_type  # transformers' own loss function, as shipped
+    model.__class__ = LossOfItsOwn
+    with pytest.raises(ValueError, match="cannot tell whether the loss"):
+        _hf_loss.loss_shifts(model, trainer_guess=True, own_loss=False)
+
+    class Peft(nn.Module):  # the shape of peft.PeftModel: base_model.model is the model
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.base_model = nn.Module()
+            self.base_model.model = inner
+
+    import transformers.trainer_utils
+
+    monkeypatch.setattr(transformers.trainer_utils, "_is_peft_model", lambda m: isinstance(m, Peft))
+    stock = gpt2()
+    del stock._loss_function, stock.loss_type
+    assert _hf_loss.loss_shifts(Peft(stock), trainer_guess=True, own_loss=False)
 
 
 def test_hf_trainer_refuses_other_gradient_accumulation_steps() -> None:

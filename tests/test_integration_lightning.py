@@ -635,3 +635,27 @@ def test_lightning_ddp_resume_from_inside_a_window_is_refused_on_every_rank(
         return
     with pytest.raises(Exception, match=r"open window, saved by one rank|saved by rank 0 of 2"):
         second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)
+
+
+def test_lightning_asks_a_window_schedule_that_raised_before_deciding_the_batch() -> None:
+    """Lightning asks, before each batch, whether its backward pass closes the window: with a
+    window schedule that raised when asked for the window's size, the answer came from the
+    last window's stale size (found by review; a closing batch steps and clips). The schedule
+    is asked again first."""
+    from accumopt.integrations import lightning as integration
+
+    failed: list[bool] = []
+
+    def schedule(updates: int, _seen: float) -> int:
+        if updates == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("transient")
+        return 1 if updates == 0 else 3
+
+    model = torch.nn.Linear(2, 1)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=schedule)
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(RuntimeError, match="transient"):
+        opt.step()  # window 1 applied, then the schedule raised for window 2
+    assert opt.every == 1 and not integration._next_closes(opt)  # asked again: 3
+    assert opt.every == 3 and failed == [True]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -151,7 +152,10 @@ def loss_shifts(model: Any, trainer_guess: bool, own_loss: bool) -> bool:
         ValueError: :data:`AMBIGUOUS_SHIFT`.
     """
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.trainer_utils import _is_peft_model
 
+    if _is_peft_model(model):  # type: ignore[no-untyped-call]  # the model PEFT wraps computes it
+        model = model.base_model.model
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
@@ -168,7 +172,8 @@ def loss_shifts(model: Any, trainer_guess: bool, own_loss: bool) -> bool:
 @functools.cache
 def _through_loss_function(cls: Any) -> bool:
     """Whether ``cls.forward`` computes its loss with ``self.loss_function`` (read from its
-    source, following ``super().forward``); False where the source cannot be read."""
+    source, following ``super().forward`` through overrides without loss code of their own,
+    :data:`_OWN_LOSS`); False where the source cannot be read."""
     for klass in cls.__mro__:
         forward = vars(klass).get("forward")
         if forward is None:
@@ -179,6 +184,11 @@ def _through_loss_function(cls: Any) -> bool:
             return False
         if "self.loss_function" in source:
             return True
-        if "super().forward(" not in source:
-            return False
+        if "super().forward(" not in source or _OWN_LOSS.search(source):
+            return False  # an override that computes a loss of its own is its own code
     return False
+
+
+_OWN_LOSS = re.compile(r"\bloss\w*\s*=|cross_entropy|CrossEntropyLoss|nll_loss|NLLLoss")
+"""Loss code in a ``forward`` that calls ``super().forward``: an assignment to a ``loss*``
+name or a cross-entropy / NLL loss."""

@@ -113,15 +113,19 @@ def load(path: str, seen: list[tuple[Any, int]], device: Any) -> dict[str, Any] 
     )
 
 
-def resume(checkpoint: str, rank: int, seen: list[tuple[Any, int]], device: Any) -> Any:
-    """This rank's window to resume ``checkpoint`` with (:func:`load`), or None. Under
-    ``torch.distributed`` the ranks agree first (one all-reduce of a flag): where any rank
-    refuses (its file missing beside a mid-window ``optimizer.pt``, or of another save), every
-    rank raises, before any training.
+def resume(
+    checkpoint: str, ranks: tuple[int, int], seen: list[tuple[Any, int]], device: Any
+) -> Any:
+    """This rank's window to resume ``checkpoint`` with (:func:`load`), or None. ``ranks``:
+    the Trainer's (process index, world size); with several, the ranks agree first (one
+    all-reduce of a flag over the default process group): where any rank refuses (its file
+    missing beside a mid-window ``optimizer.pt``, or of another save), every rank raises,
+    before any training.
 
     Raises:
         RuntimeError: this rank's refusal, or :data:`_OTHER_RANK`.
     """
+    rank, world_size = ranks
     path = os.path.join(checkpoint, WINDOW_FILE.format(rank=rank))
     saved, problem = None, None
     try:
@@ -131,7 +135,7 @@ def resume(checkpoint: str, rank: int, seen: list[tuple[Any, int]], device: Any)
             raise RuntimeError(_MISSING.format(checkpoint=checkpoint, path=path))
     except RuntimeError as err:
         problem = err
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
         flag = torch.tensor([float(problem is not None)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0 and problem is None:

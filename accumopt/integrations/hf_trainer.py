@@ -171,7 +171,7 @@ class AccumulateTrainer(Trainer):
                     "expected an accumopt.Accumulate or a torch.optim.Optimizer."
                 )
             given = opt = AccumulatingOptimizer(given, every=steps)
-        every = opt.every
+        every = opt._window.spec()[0]  # a schedule, if any (opt.every: its current size)
         if isinstance(every, bool) or not isinstance(every, int):
             raise ValueError(
                 f"AccumulateTrainer: the wrapper's window is every={every!r}, every_items="
@@ -387,4 +387,5 @@ class AccumulateTrainer(Trainer):
             return
         where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
         # applied once the Trainer has zeroed the gradients (get_batch_samples)
-        self._reload = window_file.resume(checkpoint, self.args.process_index, main, where)
+        ranks = (self.args.process_index, self.args.world_size)
+        self._reload = window_file.resume(checkpoint, ranks, main, where)

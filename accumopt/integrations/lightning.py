@@ -281,9 +281,12 @@ class AccumulateCallback(pl.Callback):
 
 
 def _next_closes(acc: AccumulatingOptimizer) -> bool:
-    """Whether the next backward pass surely closes ``acc``'s window (``every`` only)."""
-    every = acc.every
-    return every is not None and not acc.will_update and acc.micro_step + 1 >= every
+    """Whether the next backward pass surely closes ``acc``'s window (``every`` only; a window
+    schedule that has not answered is asked now, before the batch)."""
+    window = acc._window
+    if window.size_error is not None and window.resize() is not None:
+        return False  # a bad size: the batch's backward pass is refused
+    return not acc.will_update and window.next_closes()
 
 
 def _apply_last_window(
