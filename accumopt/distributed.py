@@ -21,8 +21,8 @@ With ``reduce_every_micro_step=True`` a rank flushing alone meets the timeout.
 
 The module's own sync setting (read when the wrapper is built; FSDP2's taken as on) comes back
 at :meth:`GradSync.release` (``flush()``, ``discard()``) and when the wrapper is dropped
-(``weakref.finalize``, no reference cycle); the next window's first micro-step is then synced
-by DDP/FSDP2 itself (one extra sync per release, exact: sums commute).
+(``weakref.finalize``): the next window's first micro-step is then synced by DDP/FSDP2 itself
+(one extra sync per release, exact: sums commute).
 
 ``torch.distributed.fsdp`` is imported only once the user's program imported it: cheap import.
 """
@@ -109,14 +109,13 @@ class LocalSync:
     plan_next = settle_items = release = restored = _nothing
 
     def check_weighted(self) -> None:
-        """Items are this process's own: refused where several ranks train (the sum of their
-        items is needed) but the wrapper has no DDP/FSDP2 model to sum them through."""
+        """Items are this process's own: refused where several ranks train, with no DDP/FSDP2
+        model to sum their items through."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(_refusals.items_without_model(dist.get_world_size()))
 
     def grad_writes(self, micro_steps: int) -> int:
-        """In-place writes into ``.grad`` besides accumulation: a DDP model the wrapper was
-        not given copies its buckets back after every pass."""
+        """In-place writes into ``.grad`` besides accumulation (a DDP model not given)."""
         return micro_steps if dist.is_available() and dist.is_initialized() else 0
 
     def counted(self, items: float | None, window: Window) -> float | None:
@@ -181,8 +180,7 @@ class GradSync:
         )
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.side = _agreement_group(self.group)
-        self.all_reduces = self.checks = 0
-        self.synced = False
+        self.all_reduces, self.checks, self.synced = 0, 0, False
         self._enabled = True  # FSDP2's default (it has no public getter)
         own = self._own = self._enabled if self.fsdp else bool(module.require_backward_grad_sync)
         self._released = False  # the module's own setting is in force until a micro-step
@@ -234,7 +232,7 @@ class GradSync:
         """Sync the next backward pass only if it closes the window and every finished
         micro-step is in ``.grad`` (else accumopt reduces the window); after :meth:`release`,
         an empty window keeps the module's own setting."""
-        self._window = window
+        self._window, self._plan_args = window, (buffer, param_groups)
         self._checked_before = self._checked_before and window.micro_step > 0
         self._released = self._released and window.micro_step == 0 and not window.closed
         self._closing_planned = False
@@ -250,10 +248,13 @@ class GradSync:
 
     def before_forward(self) -> None:
         """Before each forward: the planned sync setting again (a ``no_sync()`` exit restores
-        an old one; released: the module's own); the ranks agree before a closing forward."""
+        an old one; released: the module's own); the ranks agree before a closing forward. A
+        window schedule that has not answered is asked now, and the pass planned anew."""
+        window = self._window
+        if window is not None and window.size_error is not None and window.resize() is None:
+            self.plan_next(window, *self._plan_args)
         if not self._released:
             self.set_sync(self._planned)
-        window = self._window
         if window is None or not self._closing_planned or self._checked_before:
             return
         if torch.is_grad_enabled() and not window.closed:
