@@ -881,21 +881,16 @@ def test_hf_trainer_refuses_stock_models_whose_own_loss_code_is_not_a_label_mean
 def test_hf_trainer_warns_for_a_mixture_of_experts_router_loss() -> None:
     """A MoE router's load-balancing loss is a statistic of each micro-batch as a whole: no
     accumulation gives the full-batch update (a tiny Mixtral's loss read 5.61 against its token
-    mean of 4.60; found by review).
-    train() says so, as for BatchNorm, and trains; without the router loss, no warning."""
+    mean of 4.60; found by review). train() says so, as for BatchNorm, and trains; without the
+    router loss, no warning."""
     data = sequences(8)
+    tiny = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    tiny |= {"num_attention_heads": 2, "num_key_value_heads": 2}
     for router in (True, False):
         torch.manual_seed(0)
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
         config = MixtralConfig(
-            vocab_size=len(VOCAB) + 1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=router,
+            vocab_size=len(VOCAB) + 1, **tiny, **experts, output_router_logits=router
         )
         with tempfile.TemporaryDirectory() as tmp:
             trainer = accumulate_trainer(tmp, MixtralForCausalLM(config).float(), data, max_steps=1)
