@@ -24,8 +24,8 @@ def room(window: Window, ranks: int) -> int | None:
     micro-step is refused), a schedule without a valid size yet (refused too). With items
     other than rows (tokens), a cut there still closes the window when every row carries an
     item or more. The window's items are the same on every rank: so is the cut."""
-    if window.size_error is not None and window.resize() is not None:
-        return None  # the schedule is asked again first: a size it gave once may be stale
+    if not window.answered():  # asked again first: a size it gave once may be stale
+        return None
     size = window.every_items
     if size is None or window.closed:
         return None

@@ -182,6 +182,11 @@ class Window:
         self.size_error = problem  # last: interrupted before, the window stays unanswered
         return problem
 
+    def answered(self) -> bool:
+        """Whether the open window has a valid size, asking a schedule that has not given one
+        (it raised, or gave a bad size) again first."""
+        return self.size_error is None or self.resize() is None
+
     def size_problem(self, size: Any) -> str | None:
         """Why ``size`` cannot be this window's size (message), or None when it can."""
         low = getattr(self.schedule, "minimum", None)
@@ -224,8 +229,8 @@ class Window:
     def refusal(self, weighted: bool) -> tuple[type[Exception], str] | None:
         """Why a micro-step of this kind cannot join the window now (exception type and
         message), or None when it can."""
-        if self.size_error is not None and self.resize() is not None:
-            return ValueError, self.size_error
+        if not self.answered():
+            return ValueError, str(self.size_error)  # the schedule's problem
         if self.closed:
             return RuntimeError, (
                 f"Accumulate: the window closed after {self.micro_step} micro-step(s) and step() "

@@ -251,7 +251,7 @@ class GradSync:
         an old one; released: the module's own); the ranks agree before a closing forward. A
         window schedule that has not answered is asked now, and the pass planned anew."""
         window = self._window
-        if window is not None and window.size_error is not None and window.resize() is None:
+        if window is not None and window.size_error is not None and window.answered():
             self.plan_next(window, *self._plan_args)
         if not self._released:
             self.set_sync(self._planned)

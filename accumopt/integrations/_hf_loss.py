@@ -116,11 +116,16 @@ def smoother_shifts(model: Any) -> bool:
     only then, whatever the model's ``loss_type`` (a subclass of ``GPT2LMHeadModel`` under
     another name is not shifted)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return _unpeft(model)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _unpeft(model: Any) -> Any:
+    """The model a PEFT wrapper wraps (``base_model.model``: it computes the loss), else
+    ``model``."""
     from transformers.trainer_utils import _is_peft_model
 
-    peft = _is_peft_model(model)  # type: ignore[no-untyped-call]
-    named = model.base_model.model if peft else model
-    return named._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return model.base_model.model if _is_peft_model(model) else model  # type: ignore[no-untyped-call]
 
 
 AMBIGUOUS_SHIFT = (
@@ -152,10 +157,8 @@ def loss_shifts(model: Any, trainer_guess: bool, own_loss: bool) -> bool:
         ValueError: :data:`AMBIGUOUS_SHIFT`.
     """
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.trainer_utils import _is_peft_model
 
-    if _is_peft_model(model):  # type: ignore[no-untyped-call]  # the model PEFT wraps computes it
-        model = model.base_model.model
+    model = _unpeft(model)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return False
     causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))

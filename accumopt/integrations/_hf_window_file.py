@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from accumopt.accumulate import AccumulatingOptimizer
 
@@ -114,18 +113,20 @@ def load(path: str, seen: list[tuple[Any, int]], device: Any) -> dict[str, Any] 
 
 
 def resume(
-    checkpoint: str, ranks: tuple[int, int], seen: list[tuple[Any, int]], device: Any
+    checkpoint: str,
+    rank: int,
+    seen: list[tuple[Any, int]],
+    device: Any,
+    failed_ranks: Callable[[bool], float] | None,
 ) -> Any:
-    """This rank's window to resume ``checkpoint`` with (:func:`load`), or None. ``ranks``:
-    the Trainer's (process index, world size); with several, the ranks agree first (one
-    all-reduce of a flag over the default process group): where any rank refuses (its file
-    missing beside a mid-window ``optimizer.pt``, or of another save), every rank raises,
-    before any training.
+    """This rank's window to resume ``checkpoint`` with (:func:`load`), or None. Under DDP
+    (``failed_ranks``: the wrapper's ``GradSync.failed_ranks``, one small collective) the ranks
+    agree first: where any rank refuses (its file missing beside a mid-window
+    ``optimizer.pt``, or of another save), every rank raises, before any training.
 
     Raises:
         RuntimeError: this rank's refusal, or :data:`_OTHER_RANK`.
     """
-    rank, world_size = ranks
     path = os.path.join(checkpoint, WINDOW_FILE.format(rank=rank))
     saved, problem = None, None
     try:
@@ -135,11 +136,8 @@ def resume(
             raise RuntimeError(_MISSING.format(checkpoint=checkpoint, path=path))
     except RuntimeError as err:
         problem = err
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([float(problem is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and problem is None:
-            problem = RuntimeError(_OTHER_RANK.format(checkpoint=checkpoint))
+    if failed_ranks is not None and failed_ranks(problem is not None) > 0 and problem is None:
+        problem = RuntimeError(_OTHER_RANK.format(checkpoint=checkpoint))
     if problem is not None:
         raise problem
     return saved

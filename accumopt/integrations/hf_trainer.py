@@ -217,8 +217,7 @@ class AccumulateTrainer(Trainer):
         mean over the items :meth:`count_items` counts (``_hf_loss.loss_refusal``). Warns
         (UserWarning) for a per-micro-batch auxiliary loss (``_hf_loss.aux_loss_warning``)."""
         own_count = type(self).count_items is not AccumulateTrainer.count_items
-        own_loss = self.compute_loss_func is not None
-        own_loss |= type(self).compute_loss is not Trainer.compute_loss
+        own_loss = self._own_loss()
         model = self.accelerator.unwrap_model(self.model)
         if (loss := loss_refusal(model, own_count, own_loss)) is not None:
             raise RuntimeError(loss)
@@ -324,9 +323,14 @@ class AccumulateTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if self.label_smoother is not None and self.compute_loss_func is None:
             return smoother_shifts(model)  # the smoother's loss, shifted by its own rule
-        own = self.compute_loss_func is not None  # the loss is not the model's
-        own |= type(self).compute_loss is not Trainer.compute_loss
-        return loss_shifts(model, bool(getattr(self, "_loss_shifts_labels", False)), own)
+        guess = bool(getattr(self, "_loss_shifts_labels", False))
+        return loss_shifts(model, guess, self._own_loss())
+
+    def _own_loss(self) -> bool:
+        """Whether the user computes the loss, not the model: ``compute_loss_func``, or an
+        overridden ``compute_loss``."""
+        own = self.compute_loss_func is not None
+        return own or type(self).compute_loss is not Trainer.compute_loss
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -387,5 +391,6 @@ class AccumulateTrainer(Trainer):
             return
         where = "cpu" if self.args.device.type == "cpu" else self.args.device  # not cpu:0
         # applied once the Trainer has zeroed the gradients (get_batch_samples)
-        ranks = (self.args.process_index, self.args.world_size)
-        self._reload = window_file.resume(checkpoint, ranks, main, where)
+        ranks = self.accumulate._ranks  # under DDP: the ranks agree through accumopt's group
+        agree = None if ranks is None else ranks.failed_ranks
+        self._reload = window_file.resume(checkpoint, self.args.process_index, main, where, agree)

@@ -283,10 +283,8 @@ class AccumulateCallback(pl.Callback):
 def _next_closes(acc: AccumulatingOptimizer) -> bool:
     """Whether the next backward pass surely closes ``acc``'s window (``every`` only; a window
     schedule that has not answered is asked now, before the batch)."""
-    window = acc._window
-    if window.size_error is not None and window.resize() is not None:
-        return False  # a bad size: the batch's backward pass is refused
-    return not acc.will_update and window.next_closes()
+    window = acc._window  # no valid size: the batch's backward pass is refused
+    return window.answered() and not acc.will_update and window.next_closes()
 
 
 def _apply_last_window(
