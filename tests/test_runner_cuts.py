@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 from helpers import assert_same_params, data, full_batch_step, mlp, twins
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -44,6 +44,8 @@ OPTIMIZERS = {
     limit=st.integers(1, 9),
     optimizer=st.sampled_from(sorted(OPTIMIZERS)),
 )
+# the longest run the strategy draws that failed a fixed 1e-12 bound (6e-12 after 32 updates)
+@example(every_items=2, batches=[1, 17, 23, 23], micro="auto", limit=1, optimizer="SGD")
 def test_every_update_covers_exactly_n_rows_of_the_stream(
     every_items: int, batches: list[int], micro: int | str, limit: int, optimizer: str
 ) -> None:
@@ -70,7 +72,9 @@ def test_every_update_covers_exactly_n_rows_of_the_stream(
     for w in range(updates):
         sl = slice(w * every_items, (w + 1) * every_items)
         full_batch_step(ref, ref_opt, x[sl], y[sl])
-    assert_same_params(model, ref)
+    # rounding: the micro-batch sums and the full-batch sums differ in the last bits, and
+    # momentum carries each update's difference on, so the bound grows with the updates
+    assert_same_params(model, ref, atol=1e-12 * max(1, updates))
     cap = limit if micro == "auto" else micro
     ran = [(rows, w) for rows, w in pieces if rows <= cap]  # "auto": the attempts that fit
     assert sum(rows for rows, _ in ran) == sum(batches)
