@@ -1,102 +1,147 @@
-"""The wrapper's checkpoint format, in one place: ``state_dict``, ``load_state_dict``, pickling.
+"""The wrapper's checkpoint format, in one place: ``state_dict``, ``load_state_dict``, copies.
 
-A wrapper's state dict is the inner optimizer's state dict plus one ``"accumopt"`` entry::
-
-    {"format": 3, "every": 4, "every_items": None, "reduction": "mean", "updates": 12,
-     "window": None | {"micro_step", "items", "weighted", "closed", "stepped", "size",
-                       "grads": {param index: .grad}, "buffer": {param index: sum},
-                       "buffer_all", "found_inf", "unfolded", "rank"},
-     "schedule": {"scheduled", "updates", "items_seen", "size", "schedule_state"},
-     "noise_scale": None | NoiseScale.state_dict()}
-
-Parameter indices count over the param groups in order, as the inner state dict's ``"state"``
-does. ``"window"`` is None at an accumulation boundary. Formats read:
-
-- 1: the same entry with ``"version": 1`` in place of ``"format": 2`` (accumopt 0.1.0).
-- 2: the entry without ``"schedule"``, ``"noise_scale"`` and the window's ``"size"``.
-- 3: the entry above. With a window schedule, ``"every"``/``"every_items"`` are the open
-  window's size; the schedule itself is not stored (the loading wrapper is built with it), only
-  where it stands: updates, items seen, the open window's size and the schedule's own
-  ``state_dict()`` (``schedules.AdaptiveBatch``), and the noise-scale averages. Under DDP/FSDP2
-  a weighted window counted in micro-steps saves this rank's own ``"items"`` (they are summed
-  over the ranks at the boundary); formats 1-2 saved them summed already, and such a window is
-  loaded with the sum on rank 0 and 0 on the others. A window's ``"rank"`` is ``[rank, ranks]``
-  of the process that saved it (``[0, 1]`` without a DDP/FSDP2 model; absent in entries written
-  before 2026-12-02): its gradients and items are that rank's own, so it loads only there.
-
-A change of the entry's meaning gets a new format number, and this module keeps reading the
-older ones.
-
-Under ``torch.distributed.checkpoint`` (DCP), whose ``get_optimizer_state_dict`` keeps only
-``"state"`` and ``"param_groups"``, the entry travels packed in param group 0
-(``accumopt.integrations.dcp``). An FSDP2 window that FSDP2 still holds unreduced is refused at
-save time, in either form.
+A wrapper's state dict is the inner optimizer's with the wrapper's entry, the bytes of a
+``torch.save`` of a dict of format 4 (:func:`state_dict`), in param group 0 under ``"accumopt"``
+(``"accumopt.rank{r}"`` on rank r > 0 of a DDP/FSDP2 model), so that it travels every path a
+state dict takes, ``torch.distributed.checkpoint`` included. Mid-window it holds this rank's
+``.grad`` and buffer sums, so the run resumes bit for bit. A ``"fingerprint"`` of the inner
+state tells an entry a bare optimizer kept and trained on: such a stale entry is ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+import io
+import logging
+import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map_only
 
-from accumopt import _grads, _guards
-from accumopt._entry_checks import KEY, check_entry, format_of
-from accumopt.integrations import dcp
-from accumopt.integrations.dcp import dcp_init_step as dcp_init_step  # for the wrapper's step()
+from accumopt import _grads
+from accumopt._state import SAVED, Phase, State, reaches
+from accumopt.distributed import local_shard, shard_like
 
 if TYPE_CHECKING:
-    from accumopt.accumulate import AccumulatingOptimizer
+    from accumopt.accumulate import Accumulate
 
-FORMAT = 3
+KEY = "accumopt"
+FORMAT = 4
+_LOG = logging.getLogger("accumopt")
+_STALE = (
+    "Accumulate.load_state_dict: ignored the accumopt entry (saved after %s update(s)) of a state "
+    "dict whose inner optimizer trained on without the wrapper; the window starts fresh."
+)
+_LOAD = "Accumulate.load_state_dict: the checkpoint's"
+_WINDOW = ("every", "every_items", "reduction", "scheduled")  # the window settings an entry holds
 
 
-def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
-    """The inner optimizer's state dict plus one ``"accumopt"`` entry (the format above).
+def checkpoint_position(state_dict: Any) -> tuple[int, int] | None:
+    """``(updates, micro_steps)`` the wrapper's entry in ``state_dict`` was saved at (the same
+    on every rank; None for a bare optimizer's), to tell which save a per-rank file belongs to.
+    ValueError: the entry cannot be read, or is of another format."""
+    entry = entry_of(state_dict)
+    if entry is None:
+        return None
+    state = entry.get("state") or {}
+    return int(state.get("updates", 0)), int(state.get("micro_step", 0))
 
-    Raises:
-        RuntimeError: as :func:`check_settled` (a partial gradient, a step() to retry, a
-            dropped micro-step the GradScaler has not seen); or an FSDP2 model's open window
-            is still inside FSDP2 (unreduced, see :func:`_check_savable`).
-        ValueError: called by DCP with ``flatten_optimizer_state_dict=True`` (DCP would drop
-            the entry at load).
 
-    Mid-window the entry holds the window's position and gradients, so a run saved mid-window
-    resumes bit for bit. Tensors are referenced, not copied (as in ``torch.optim``):
-    ``torch.save`` or ``copy.deepcopy`` the dict before training on. A bare ``torch.optim``
-    optimizer loads it too (the extra entry is ignored). Called by DCP's
-    ``get_optimizer_state_dict``, the entry is packed into the first param group (see above;
-    mid-window on several ranks, a collective of all ranks, as DCP's own calls are).
-    """
-    check_settled(opt, "state_dict")
-    _check_savable(opt)
-    by_dcp = dcp.caller_checked()  # refuses DCP's flattened form
+def key_for(rank: int) -> str:
+    """The param-group key of rank ``rank``'s entry."""
+    return KEY if rank == 0 else f"{KEY}.rank{rank}"
+
+
+def entry_of(state_dict: Any, rank: int = 0) -> dict[str, Any] | None:
+    """The wrapper's entry (unpacked) in a state dict: rank ``rank``'s, else rank 0's, else the
+    first there; None for a bare optimizer's. ValueError: unreadable, or of another format."""
+    if isinstance(state_dict, dict) and isinstance(state_dict.get(KEY), dict):
+        raise ValueError(
+            f"{_LOAD} accumopt entry is in the format of accumopt 0.1 (format "
+            f"{_format(state_dict[KEY])!r}), not {FORMAT}. Resume it with accumopt 0.1 and save "
+            "at a boundary, or load the inner optimizer's state alone (without the 'accumopt' key)."
+        )
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    group = groups[0] if groups and isinstance(groups[0], dict) else {}
+    keys = [key_for(rank), KEY, *sorted(k for k in group if str(k).startswith(f"{KEY}.rank"))]
+    packed = next((group[k] for k in keys if group.get(k) is not None), None)
+    if packed is None:
+        return None
+    try:
+        entry = torch.load(io.BytesIO(packed), map_location="cpu", weights_only=True)
+        fmt = _format(entry)
+    except Exception as err:
+        raise ValueError(
+            f"{_LOAD} accumopt entry cannot be read ({type(err).__name__}: {err}); expected the "
+            "bytes Accumulate.state_dict() writes. Load an intact checkpoint; nothing was changed."
+        ) from err
+    if fmt != FORMAT:
+        raise ValueError(
+            f"{_LOAD} accumopt entry has format {fmt!r}, not {FORMAT}. Load it with the accumopt "
+            "that wrote it and save at a boundary, or load the inner optimizer's state alone."
+        )
+    return entry  # type: ignore[no-any-return]
+
+
+def _window(opt: Accumulate) -> tuple[Any, ...]:
+    """``opt``'s values of the :data:`_WINDOW` settings (a callable window size as None)."""
+    sizes = [None if callable(size) else size for size in opt._rules.spec()]
+    return (*sizes, opt.reduction, opt._rules.schedule is not None)
+
+
+def _format(entry: dict[str, Any]) -> Any:
+    return entry.get("format", entry.get("version"))  # format 1 called it "version"
+
+
+def pack(entry: dict[str, Any]) -> bytes:
+    """``entry`` as the bytes :func:`state_dict` puts in param group 0 (a DTensor as this
+    rank's local shard)."""
+    entry = tree_map_only(Tensor, local_shard, entry)
+    buffer = io.BytesIO()
+    torch.save(entry, buffer)
+    return buffer.getvalue()
+
+
+def state_dict(opt: Accumulate) -> dict[str, Any]:
+    """The inner optimizer's state dict with the wrapper's entry. RuntimeError, changing
+    nothing: a pass or call failed part-way, a micro-step waits, or FSDP2 holds the window."""
+    opt.check_usable("state_dict")
+    s = opt._state
+    open_window = s.micro_step and s.phase is Phase.OPEN
+    if opt._sync.fsdp and open_window and not opt.reduce_every_micro_step:
+        raise RuntimeError(
+            f"Accumulate.state_dict: the open window ({s.micro_step} micro-step(s)) of this FSDP2 "
+            "model is held by FSDP2 itself, unreduced, where no state dict reaches. Save when "
+            "opt.micro_step == 0 or opt.will_update, or use reduce_every_micro_step=True."
+        )
+    if open_window and (problem := opt._guard.wiped()) is not None:
+        raise RuntimeError(f"{problem} Nothing was saved.")  # a resumed run would train on it
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
     state = opt.optimizer.state_dict()
-    params = _grads.params_of(opt.param_groups)
-    window = None
-    if opt._window.micro_step:
-        grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}
-        window = {**opt._window.position(), "grads": grads, **opt._buffer.contents(params)}
-        window["rank"] = [opt._sync.rank, opt._sync.world_size]
-    every, every_items, reduction = opt._window.settings()
-    entry = {
+    held = _grads.params_of(opt.param_groups) if s.micro_step else []  # the window's parameters
+    sums = opt._buffer.sums
+    save_schedule = getattr(opt._rules.schedule, "state_dict", None)
+    entry: dict[str, Any] = {
         "format": FORMAT,
-        "every": every,
-        "every_items": every_items,
-        "reduction": reduction,
-        "updates": opt.updates,
-        "window": window,
-        "schedule": {"scheduled": opt._window.schedule is not None, **opt._window.progress()},
+        **dict(zip(_WINDOW, _window(opt))),
+        "state": {**{f: getattr(s, f) for f in SAVED}, "closed": s.phase is Phase.CLOSED},
+        "found_inf": s.found_inf,
+        "rank": [opt._sync.rank, opt._sync.world_size],
+        "grads": {i: p.grad for i, p in enumerate(held) if p.grad is not None},
+        "sums": {i: sums[p] for i, p in enumerate(held) if p in sums},
+        "buffer_all": opt._buffer.buffer_all,
+        "unfolded": opt._buffer.unfolded if s.micro_step else 0,
+        "schedule_state": save_schedule() if callable(save_schedule) else None,
         "noise_scale": None if opt.noise_scale is None else opt.noise_scale.state_dict(),
+        "fingerprint": _fingerprint(state),
     }
-    if by_dcp:
-        state["param_groups"][0][KEY] = dcp.pack(opt, entry)
-    else:
-        state[KEY] = entry
+    entry["state"]["items"] = float(s.items)  # item counts summed as a tensor: read here
+    state["param_groups"][0][key_for(opt.rank)] = pack(entry)
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state)
         if result is not None:
@@ -104,82 +149,168 @@ def state_dict(opt: AccumulatingOptimizer) -> dict[str, Any]:
     return state
 
 
-def load_state_dict(opt: AccumulatingOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load a state dict from :func:`state_dict`, or a bare inner-optimizer state dict (which
-    starts a fresh window). Everything is checked before anything is loaded.
+def load_state_dict(opt: Accumulate, state_dict: dict[str, Any]) -> None:
+    """Load a state dict from :func:`state_dict`, or a bare inner optimizer's (a fresh window),
+    all checked first (TypeError: not a dict; ValueError: an entry of another format, damaged,
+    or a window saved with other settings, shapes or ranks); ``.grad`` is cleared first."""
+    if not isinstance(state_dict, dict):
+        check(opt, state_dict)  # the TypeError
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    entry = check(opt, state_dict, warn=True)
+    params = _grads.params_of(opt.param_groups)
+    inner = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+    for key in [k for k in inner["param_groups"][0] if str(k).startswith(KEY)]:
+        del inner["param_groups"][0][key]
+    got = entry or {}
+    noise = got.get("noise_scale")
+    if noise is not None and opt.noise_scale is not None:
+        noise = opt.noise_scale.read_state(noise)  # ValueError where damaged
+    undo = _load_schedule_state(opt, got.get("schedule_state"))
+    try:
+        opt.optimizer.load_state_dict(inner)
+    except BaseException:
+        undo()
+        raise
+    opt.param_groups, opt.state = opt.optimizer.param_groups, opt.optimizer.state
+    opt.param_groups[0][key_for(opt.rank)] = None
+    s = opt._state
+    saved = got.get("state", {})
+    s.updates = int(saved.get("updates", 0))
+    s.items_seen = float(saved.get("items_seen", 0.0))
+    if noise is not None and opt.noise_scale is not None:
+        opt.noise_scale.__dict__.update(noise)
+    window = bool(saved.get("micro_step"))
+    try:
+        opt._drop_window(release=False)  # .grad cleared, sizes asked (a schedule may raise)
+    except BaseException:
+        if window:  # the checkpoint's window is not restored: refuse until another load
+            opt._break("an earlier load_state_dict() failed part-way")
+        raise
+    if window:
+        _restore_window(opt, got, params)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
-    Raises:
-        TypeError: ``state_dict`` is not a dict.
-        ValueError: its ``"accumopt"`` entry has a format this version cannot read, or holds
-            an open window saved with other window settings, for other parameter shapes, on
-            another number of ranks or shards; or a DCP entry is damaged. Nothing is changed.
-    """
+
+def _restore_window(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None:
+    """Resume the open window of ``entry`` (checked) into the empty one."""
+    s, saved = opt._state, entry["state"]
+    s.phase = Phase.BROKEN
+    for name in ("micro_step", "items", "weighted", "stepped", "size"):
+        setattr(s, name, saved[name])
+    s.micro_step, s.items = int(s.micro_step), float(s.items)
+    s.size = None if s.size is None else float(s.size)
+    found = entry["found_inf"]
+    s.found_inf = None if found is None else found.clone()
+    with torch.no_grad():
+        for i, g in entry["grads"].items():
+            params[i].grad = shard_like(g, params[i])
+    sums = {i: shard_like(t, params[i]) for i, t in entry["sums"].items()}
+    opt._buffer.restore({**entry, "sums": sums}, params, saved["closed"])
+    opt._sync.restored(s)
+    s.phase = Phase.CLOSED if saved["closed"] else Phase.OPEN
+    opt._plan()
+    if not saved["closed"]:  # a wipe before the close is refused; the rates are not noted
+        opt._guard.note_grads(opt._in_grad())  # (a scheduler is often loaded after)
+
+
+def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any] | None:
+    """The entry ``opt`` loads from ``state_dict`` (None: none, or a stale one, logged with
+    ``warn``), checked; raises as :func:`load_state_dict`."""
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"Accumulate.load_state_dict: got {type(state_dict).__qualname__}; expected the "
             "dict returned by state_dict() (or by a bare torch.optim optimizer)."
         )
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        result = pre_hook(opt, state_dict)
-        if result is not None:
-            state_dict = result
-    state_dict = dcp.unpack(opt, state_dict, KEY)
-    extra = state_dict.get(KEY)
-    params = _grads.params_of(opt.param_groups)
-    window = check_entry(opt, extra, params)
-    inner_state = {k: v for k, v in state_dict.items() if k != KEY}
-    saved_progress = (extra or {}).get("schedule")
-    undo = _load_schedule_state(opt, saved_progress or {})
-    try:
-        opt.optimizer.load_state_dict(inner_state)
-    except BaseException:
-        undo()
-        raise
-    opt.updates = int(extra["updates"]) if extra else 0
-    # torch's load_state_dict installs new group and state containers on the inner
-    # optimizer: share the new ones (schedulers built later must reach the inner).
-    opt.param_groups = opt.optimizer.param_groups
-    opt.state = opt.optimizer.state
-    progress = saved_progress or {"updates": opt.updates, "items_seen": 0.0}
-    opt._window.restore_progress({**progress, "schedule_state": None})  # loaded above
-    if opt.noise_scale is not None and extra and extra.get("noise_scale") is not None:
-        opt.noise_scale.load_state_dict(extra["noise_scale"])
-    # a restored window starts from its own gradients only: none left from a live window, the
-    # last update before zero_grad(), or a backward pass that failed part-way
-    try:
-        opt._restart(clear_grads=True)  # asks a schedule for a size (it may raise)
-    except BaseException:
-        if window is not None:  # not restored: refusing until discard() or another load
-            opt._counter.pause("interrupted")
-        raise
-    if window is not None:
-        opt._window.restore(window)
-        with torch.no_grad():
-            for i, g in window["grads"].items():
-                params[i].grad = g.to(device=params[i].device, dtype=params[i].dtype, copy=True)
-        opt._buffer.restore(window, params)
-        opt._sync.restored(opt._window, items_global=format_of(extra or {}) < 3)
-        opt._plan_sync()
-    # The loaded gradients are noted afresh, so that a wipe before the window's close (a
-    # framework's zero_grad) is refused; not its learning rates: a scheduler is often loaded
-    # after the optimizer.
-    guard = opt._guard
-    guard.forget()
-    if window is not None and opt._window.micro_step and not opt._window.closed:
-        unmarked = guard.lrs, guard.schedulers
-        _guards.note(opt)
-        guard.lrs, guard.schedulers = unmarked
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
+    entry = entry_of(state_dict, opt.rank)
+    if entry is not None and entry.get("fingerprint") != _fingerprint(state_dict):
+        if warn:
+            _LOG.warning(_STALE, entry.get("state", {}).get("updates"))
+        return None
+    if entry is not None:
+        _check(opt, entry, _grads.params_of(opt.param_groups))
+    return entry
 
 
-def _load_schedule_state(
-    opt: AccumulatingOptimizer, progress: dict[str, Any]
-) -> Callable[[], None]:
-    """Load the window schedule's own state (user code, so before anything else loads), once;
-    a load that raises is undone from a copy of the state before and refused (ValueError).
-    Returns the undo, for a failure of what loads after it."""
-    state, schedule = progress.get("schedule_state"), opt._window.schedule
+def _check(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None:
+    """Refuse (ValueError) an entry this wrapper cannot load: a damaged field, other window
+    settings, size, parameter shapes or rank."""
+    state = entry.get("state")
+    fields = {
+        "state": isinstance(state, dict),
+        "grads": _tensors(entry.get("grads")),
+        "sums": _tensors(entry.get("sums")),
+        "found_inf": isinstance(entry.get("found_inf"), Tensor | None),
+        "rank": _is_place(entry.get("rank")),
+        "unfolded": _count(entry.get("unfolded")),
+    }
+    if isinstance(state, dict):
+        fields |= {
+            "micro_step": _count(state.get("micro_step")),
+            "items": _amount(state.get("items")),
+            "weighted": state.get("weighted") in (None, True, False),
+            "stepped": isinstance(state.get("stepped"), bool),
+            "closed": isinstance(state.get("closed"), bool),
+            "updates": _count(state.get("updates")),
+            "items_seen": _amount(state.get("items_seen")),
+            "size": state.get("size") is None or _amount(state.get("size")),
+        }
+    bad = [name for name, ok in fields.items() if not ok]
+    if bad:
+        raise ValueError(
+            f"{_LOAD} accumopt entry has bad {', '.join(bad)}: it was changed or damaged. Load "
+            "an intact checkpoint; nothing was changed."
+        )
+    assert isinstance(state, dict)
+    if not state["micro_step"]:
+        return
+    here = [opt._sync.rank, opt._sync.world_size]
+    if list(entry["rank"]) != here:
+        raise ValueError(
+            f"{_LOAD} open window was saved by rank {entry['rank'][0]} of {entry['rank'][1]}, "
+            f"and is loaded on rank {here[0]} of {here[1]} (its gradient is that rank's own). Load "
+            "each rank's own state dict on as many ranks, or a boundary's; nothing was changed."
+        )
+    rules = opt._rules
+    saved = (entry["every"], entry["every_items"], entry["reduction"], entry.get("scheduled"))
+    ours = _window(opt)
+    if saved[3] or ours[3]:  # scheduled: the kind of window must match, the size is restored
+        saved = (saved[0] is None, saved[1] is None, saved[2], saved[3])
+        ours = (ours[0] is None, ours[1] is None, ours[2], ours[3])
+    if saved != ours:
+        raise ValueError(
+            f"{_LOAD} open window was saved with (every, every_items, reduction)={saved[:3]!r}, "
+            f"this wrapper has {ours[:3]!r}{' (a schedule)' if saved[3] or ours[3] else ''}. "
+            "Rebuild the wrapper with them, or save at a boundary; nothing was changed."
+        )
+    size = state["size"]
+    full = reaches(state["micro_step"], state["items"], size, rules.in_items)
+    probe = State(updates=state["updates"], items_seen=state["items_seen"])
+    sized = size is not None and (rules.schedule is None or rules.size_problem(size, probe) is None)
+    if not sized or full != state["closed"]:
+        raise ValueError(
+            f"{_LOAD} window of size {size!r} has micro_step={state['micro_step']!r}, items="
+            f"{state['items']!r}, closed={state['closed']!r}: it was changed or damaged (a size "
+            "this wrapper can have, closed exactly when full, expected). Nothing was changed."
+        )
+    for kind in ("grads", "sums"):
+        for i, tensor in entry[kind].items():
+            if i >= len(params) or tuple(tensor.shape) != tuple(local_shard(params[i]).shape):
+                have = f"shape {tuple(params[i].shape)}" if i < len(params) else "no such one"
+                raise ValueError(
+                    f"{_LOAD} window holds a gradient of shape {tuple(tensor.shape)} for "
+                    f"parameter {i}, this optimizer has {have}; expected the model, parameter "
+                    "groups and sharding it was saved with. Nothing was changed."
+                )
+
+
+def _load_schedule_state(opt: Accumulate, state: Any) -> Any:
+    """Load the window schedule's own state first (user code): one that raises is undone from
+    a copy and refused (ValueError). Returns the undo, for a failure of what loads after."""
+    schedule = opt._rules.schedule
     load, save = getattr(schedule, "load_state_dict", None), getattr(schedule, "state_dict", None)
     if state is None or not callable(load):
         return lambda: None
@@ -195,100 +326,106 @@ def _load_schedule_state(
     except Exception as err:
         undo()
         raise ValueError(
-            f"Accumulate.load_state_dict: the checkpoint's schedule state {str(state)[:200]} "
-            f"does not load into {schedule!r} ({type(err).__name__}: {err}); expected the "
-            "state_dict() of the same schedule. The checkpoint was changed or damaged. Nothing "
-            "was changed (the schedule's state was restored where it has a state_dict())."
+            f"{_LOAD} schedule state {str(state)[:200]} does not load into {schedule!r} "
+            f"({type(err).__name__}: {err}): it was changed or damaged. Load the state_dict() "
+            "of the same schedule; nothing was changed."
         ) from None
     return undo
 
 
-def _check_savable(opt: AccumulatingOptimizer) -> None:
-    """Refuse to save an FSDP2 window that FSDP2 still holds: micro-steps run without gradient
-    sync add up in FSDP2's unsharded gradients, not in ``.grad``, until the closing micro-step
-    reduce-scatters them; no state dict reaches them (RuntimeError, nothing changed)."""
-    window, ranks = opt._window, opt._ranks
-    if ranks is None or not ranks.fsdp or not window.micro_step or window.closed:
-        return
-    if ranks.reduce_every_micro_step:  # every micro-step was reduce-scattered into .grad
-        return
-    raise RuntimeError(
-        f"Accumulate.state_dict: the open window ({window.micro_step} of {window.every} "
-        "micro-steps) of this FSDP2 model is held by FSDP2 itself, in unsharded gradients not "
-        "yet reduce-scattered into .grad, which no state dict reaches; expected a save at an "
-        "accumulation boundary (opt.micro_step == 0, e.g. when opt.did_update), once the "
-        "window is complete (opt.will_update, before step()), or a wrapper built with "
-        "reduce_every_micro_step=True (its sharded .grad holds the window). Nothing was saved; "
-        "the window is intact."
-    )
+_SETTINGS = ("max_grad_norm", "scaler", "buffer", "nonfinite", "model", "reduce_every_micro_step")
 
 
-_SETTINGS = (
-    "max_grad_norm",
-    "scaler",
-    "buffer",
-    "nonfinite",
-    "model",
-    "reduce_every_micro_step",
-    "noise_scale",
-)
-
-
-def check_settled(opt: AccumulatingOptimizer, api: str) -> None:
-    """Refuse to save (``api``: ``state_dict``, ``copy``) a wrapper whose state is not what a
-    checkpoint holds: a backward pass failed part-way (its partial gradient is in ``.grad``);
-    a ``step()`` raised after the window's update began (whether it was applied, whether the
-    gradient was unscaled and clipped: the retry's bookkeeping); a micro-step dropped for an
-    inf/NaN that waits for ``scaler.step(opt)`` (refused by ``_check_not_paused``). A resumed
-    run would train on each of them wrongly. RuntimeError, nothing changed."""
-    opt._check_not_paused(api)
-    window, buffer = opt._window, opt._buffer
-    if window.closed and (window.inner_base is not None or buffer.unscaled or buffer.final):
-        raise RuntimeError(
-            f"Accumulate.{api}: the window's update began in a step() that raised (its "
-            f"update {'was' if window.done else 'was not'} applied); which parts of it are done "
-            "is not part of a checkpoint, and a run resumed from one would apply or unscale "
-            "the window a second time. Expected step() again (scaler.step(opt) under AMP, or "
-            "flush() again after a flush()) to finish it first, then save. Nothing was saved."
-        )
-
-
-def getstate(opt: AccumulatingOptimizer) -> dict[str, Any]:
-    """What ``copy.deepcopy`` and pickling keep of a wrapper. A whitelist: an LR scheduler
-    patches ``step`` on the instance with a closure over a weakref, which must neither be
-    pickled nor shared by a deep copy. Refused as :func:`check_settled` (RuntimeError)."""
-    check_settled(opt, "copy (deepcopy or pickle)")
+def getstate(opt: Accumulate) -> dict[str, Any]:
+    """What ``copy.deepcopy`` and pickling keep of a wrapper, a whitelist (an LR scheduler's
+    closure on ``step`` must be neither pickled nor shared); RuntimeError as :func:`state_dict`."""
+    opt.check_usable("copy (deepcopy or pickle)")
+    every, every_items = opt._rules.spec()
+    settings = {name: getattr(opt, name) for name in _SETTINGS}
     params = _grads.params_of(opt.param_groups)
-    every, every_items = opt._window.spec()  # the schedule, if any
-    settings = {"every": every, "every_items": every_items, "reduction": opt.reduction}
-    settings.update({name: getattr(opt, name) for name in _SETTINGS})
     return {
         "optimizer": opt.optimizer,
-        "settings": settings,
-        "skipped_micro_steps": opt.skipped_micro_steps,
-        "updates": opt.updates,
-        "did_update": opt.did_update,
-        "window": opt._window.position(),
-        "progress": opt._window.progress(),
-        "grads": [p.grad for p in params] if opt._window.micro_step else None,
+        "settings": {**settings, "every": every, "every_items": every_items},
+        "reduction": opt.reduction,
+        "noise_scale": opt.noise_scale,
+        "state": opt._state,
+        "grads": [p.grad for p in params] if opt._state.micro_step else None,
         "buffer": opt._buffer,
     }
 
 
-def setstate(opt: AccumulatingOptimizer, state: dict[str, Any]) -> None:
+def setstate(opt: Accumulate, state: dict[str, Any]) -> None:
     """Rebuild a wrapper from :func:`getstate` (its own hooks, the copied window)."""
     settings = dict(state["settings"])
     every = settings.pop("every")
-    type(opt).__init__(opt, state["optimizer"], every, **settings)
-    opt.skipped_micro_steps = state["skipped_micro_steps"]
-    opt.updates = state["updates"]
-    opt.did_update = state["did_update"]
-    opt._window.restore_progress(state["progress"])
-    opt._window.restore(state["window"])
+    noise = False if state["noise_scale"] is None else state["noise_scale"]
+    type(opt).__init__(
+        opt, state["optimizer"], every, reduction=state["reduction"], noise_scale=noise, **settings
+    )
+    saved: Any = state["state"]
+    for name in saved.__slots__:
+        setattr(opt._state, name, getattr(saved, name))
     opt._buffer = state["buffer"]
     opt._buffer.forget_params()
     if state["grads"] is not None:
         for p, g in zip(_grads.params_of(opt.param_groups), state["grads"]):
             p.grad = g
-    if opt._window.micro_step and not opt._window.closed:  # a wipe of the copy is refused too
-        _guards.note_grads(opt)
+    opt._plan()
+    if opt._state.micro_step and opt._state.phase is Phase.OPEN:  # a wipe of the copy too
+        opt._guard.note_grads(opt._in_grad())
+
+
+def dcp_init_step(opt: Accumulate) -> bool:
+    """Whether this ``step()`` is ``torch.distributed.checkpoint``'s optimizer-state
+    initialisation (an empty inner state, every lr 0, every trainable ``.grad`` all zeros);
+    if so, run it: the inner optimizer steps once, uncounted, and the zero gradients go."""
+    inner, s = opt.optimizer, opt._state
+    if inner.state or any(float(g.get("lr", 0.0)) != 0.0 for g in opt.param_groups):
+        return False
+    params = [p for p in _grads.params_of(opt.param_groups) if p.requires_grad]
+    for p in params:
+        grad = local_shard(p.grad) if p.grad is not None else None
+        if grad is None or grad.is_sparse or bool(grad.any()):
+            return False
+    if params and not s.micro_step:
+        counts = s.updates, s.items_seen, s.did_update
+        s.phase = Phase.APPLY
+        try:
+            inner.step()
+        finally:
+            s.updates, s.items_seen, s.did_update = counts
+            s.phase = Phase.OPEN
+    for p in params:
+        p.grad = None
+    return bool(params)
+
+
+def _fingerprint(state_dict: dict[str, Any]) -> list[float]:
+    """What tells a stale entry: each param group's learning rate, and the sum of the inner
+    state's ``"step"`` counts (the same on every rank)."""
+    groups = state_dict.get("param_groups") or []
+    marks = [
+        float(g["lr"]) if isinstance(g.get("lr"), (float, int, Tensor)) else -1.0 for g in groups
+    ]
+    steps = [v.get("step") for v in (state_dict.get("state") or {}).values() if isinstance(v, dict)]
+    return [*marks, float(sum(float(local_shard(t)) for t in steps if t is not None))]
+
+
+def _count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= 0
+
+
+def _amount(value: Any) -> bool:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value) and value >= 0
+
+
+def _tensors(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        _count(i) and isinstance(t, Tensor) for i, t in value.items()
+    )
+
+
+def _is_place(place: Any) -> bool:
+    pair = isinstance(place, (list, tuple)) and len(place) == 2
+    return pair and _count(place[0]) and _count(place[1]) and place[0] < place[1]

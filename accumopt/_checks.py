@@ -7,8 +7,10 @@ loses nothing that was already accumulated.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import sys
 import weakref
 from typing import Any, TypeGuard
 
@@ -22,6 +24,10 @@ def positive_int(value: object) -> TypeGuard[int]:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= 1
 
 
+def _positive_real(value: object) -> TypeGuard[float]:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and float(value) > 0
+
+
 def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """Return ``optimizer`` if it is a wrappable ``torch.optim.Optimizer``, else raise TypeError
     (an accumopt wrapper is refused: wrap the inner optimizer once)."""
@@ -29,12 +35,11 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     if owner is not None and owner() is not None:
         raise TypeError(
             "Accumulate: this optimizer is already wrapped by a live Accumulate; expected one "
-            "wrapper per inner optimizer (two would count every backward pass twice and step "
-            "the inner optimizer from both). Use the existing wrapper, or drop it (del) first."
+            "wrapper per inner optimizer. Use the existing wrapper, or drop it (del) first."
         )
     if getattr(type(optimizer), "_accumopt_wrapper", False):
         raise TypeError(
-            "Accumulate: optimizer is already an AccumulatingOptimizer; expected a plain "
+            "Accumulate: optimizer is already an Accumulate; expected a plain "
             "torch.optim.Optimizer. Wrap the inner optimizer once and set every= on that wrapper."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -58,8 +63,7 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         raise TypeError(
             "Accumulate: LBFGS re-evaluates the loss through a closure several times per step, "
             "which cannot be spread over micro-batches; expected an optimizer whose step() needs "
-            "no closure. For LBFGS over a large batch, accumulate inside its closure instead "
-            "(backward each micro-batch's share of the loss there, then return the total)."
+            "no closure. For LBFGS, accumulate the micro-batches inside its closure instead."
         )
     return optimizer
 
@@ -93,12 +97,7 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
                 "backward passes (micro-steps) per update, >= 1 (every=1 means no accumulation)."
             )
         return int(every), None
-    if (
-        isinstance(every_items, bool)
-        or not isinstance(every_items, numbers.Real)
-        or not math.isfinite(float(every_items))
-        or every_items <= 0
-    ):
+    if not _positive_real(every_items) or not math.isfinite(float(every_items)):
         raise ValueError(
             f"Accumulate: every_items={every_items!r} is not a positive finite number; expected "
             "the number of items (samples or tokens) per update, e.g. every_items=4096."
@@ -120,12 +119,7 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
     """Validate ``max_grad_norm`` (None, a positive number, or ``inf``: measure only)."""
     if max_grad_norm is None:
         return None
-    if (
-        isinstance(max_grad_norm, bool)
-        or not isinstance(max_grad_norm, numbers.Real)
-        or math.isnan(float(max_grad_norm))
-        or max_grad_norm <= 0
-    ):
+    if not _positive_real(max_grad_norm):  # NaN is not > 0
         raise ValueError(
             f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive number; expected "
             "None (no clipping), the largest total 2-norm of the window's gradient, or "
@@ -181,7 +175,7 @@ def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Mod
     return model
 
 
-NONFINITE_POLICIES = (None, "skip_window", "skip_micro_batch", "raise")
+NONFINITE_POLICIES = (None, "skip_window")
 
 
 def check_nonfinite(nonfinite: object) -> str | None:
@@ -189,37 +183,64 @@ def check_nonfinite(nonfinite: object) -> str | None:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
             f"Accumulate: nonfinite={nonfinite!r} is not a policy; expected one of "
-            f"{NONFINITE_POLICIES!r}."
+            f"{NONFINITE_POLICIES!r} ('raise' and 'skip_micro_batch' were removed in 0.2; "
+            "CHANGELOG.md has the migration)."
         )
     return nonfinite
 
 
-def check_loss(loss: object) -> None:
-    """Validate the loss handed to ``Accumulate.backward``."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = (
-            f"tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, torch.Tensor)
-            else (type(loss).__qualname__)
-        )
+def check_flag(value: object, name: str) -> bool:
+    """A bool, else TypeError naming ``name`` (a string or a number is not taken as True)."""
+    if not isinstance(value, bool):
         raise TypeError(
-            f"Accumulate.backward: loss is a {what}; expected a one-element tensor that "
+            f"Accumulate: {name}={value!r} is of type {type(value).__qualname__}; expected True "
+            "or False."
+        )
+    return value
+
+
+def check_loss(loss: object, api: str) -> None:
+    """A one-element real tensor that requires grad, else TypeError/ValueError naming ``api``."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{api}: loss is a {type(loss).__qualname__}; expected a one-element tensor that "
             "requires grad (the micro-batch's summed loss when items= is given)."
         )
+    if loss.numel() != 1:
+        raise TypeError(
+            f"{api}: loss is a tensor of shape {tuple(loss.shape)}; expected a one-element "
+            "tensor that requires grad. Reduce it with .sum() or .mean()."
+        )
+    problem = None
+    if loss.is_complex():
+        problem = f"is complex ({loss.dtype})"
+    elif not loss.requires_grad:
+        problem = "does not require grad (computed under torch.no_grad(), or detached)"
+    if problem is not None:
+        raise ValueError(
+            f"{api}: the loss {problem}; expected a one-element real tensor that requires "
+            "grad. Reduce it with .sum() or .mean(), and keep autograd on."
+        )
 
 
-def check_items(items: object) -> float | None:
-    """Validate a micro-batch's item count; tensors are read once (one host sync)."""
-    if items is None:
-        return None
+def check_items(items: object, api: str, read: bool = True) -> float | torch.Tensor:
+    """Validate the item count given to ``Accumulate.<api>``. A tensor is read (one host sync)
+    when ``read``, else kept as a detached 0-dim tensor whose value is checked when the window
+    closes."""
+    kind = type(items)
+    if (kind is int or kind is float) and 0 <= items < math.inf:  # type: ignore[operator]
+        return float(items)  # type: ignore[arg-type]
+    what = f"Accumulate.{api}: items"
     if isinstance(items, torch.Tensor):
-        check_count_tensor(items, "Accumulate.backward: items")
+        check_count_tensor(items, what)
+        if not read:
+            return items.detach().reshape(())
         items = items.item()
-    return check_count(items, "Accumulate.backward: items", "the summed loss")
+    return check_count(items, what, "the summed loss")
 
 
 def check_count_tensor(count: torch.Tensor, what: str) -> None:
-    """A one-element real tensor, else TypeError/ValueError naming ``what``."""
+    """A one-element real tensor, else ValueError naming ``what``."""
     if count.numel() != 1 or count.is_complex():
         raise ValueError(
             f"{what} is a tensor of shape {tuple(count.shape)} and dtype {count.dtype}; "
@@ -244,25 +265,49 @@ def check_count(count: object, what: str, covers: str, where: str = "") -> float
     return float(count)
 
 
-def check_policies(
-    nonfinite: str | None, scaler: object, buffer: bool | None, distributed: bool
+def check_fsdp(
+    count_at: str, in_items: bool, every_step: bool, scaler: object, rollback: bool
 ) -> None:
-    """Refuse combinations of ``nonfinite`` with a scaler, DDP/FSDP2 or ``buffer=False``."""
-    if nonfinite == "raise" and scaler is not None:
+    """Refuse what an FSDP2 model's sharded gradients cannot honour exactly."""
+    problem = None
+    if count_at == "parameters":
+        problem = "count_at='parameters' (sharded parameters are not in the autograd graph)"
+    elif in_items and not every_step:
+        problem = "every_items without reduce_every_micro_step=True (the boundary is not known "
+        problem += "before the closing micro-step's backward)"
+    elif scaler is not None:
+        problem = "a GradScaler"
+    elif rollback:
+        problem = "the rollback buffer (buffer=True)"
+    if problem is not None:
         raise ValueError(
-            "Accumulate: nonfinite='raise' with a GradScaler would raise on every loss-scale "
-            "overflow (the scaler backs off only when it sees the inf); expected "
-            "nonfinite='skip_micro_batch' or 'skip_window' under AMP."
+            f"Accumulate: an FSDP2 model with {problem} is not supported; expected every=N "
+            "(or reduce_every_micro_step=True), counting at the outputs, no scaler, buffer=None."
         )
-    per_micro_batch = nonfinite in ("skip_micro_batch", "raise")
-    if distributed and per_micro_batch:
-        raise ValueError(
-            f"Accumulate: nonfinite={nonfinite!r} with model= (torch.distributed) would let "
-            "the ranks drop different micro-steps and disagree on the window; expected "
-            "nonfinite='skip_window' or None under DDP/FSDP2."
-        )
-    if buffer is False and per_micro_batch:
-        raise ValueError(
-            f"Accumulate: nonfinite={nonfinite!r} drops single micro-batches, which needs the "
-            "window buffer, but buffer=False; expected buffer=None or True."
-        )
+
+
+def framework_accumulating(closure: object = None) -> str | None:
+    """The framework that accumulates gradients on its own around the wrapper, or None: a
+    Lightning Trainer with ``accumulate_grad_batches > 1`` (seen in the closure it steps with),
+    or a loop on Accelerate (the HF Trainer's) whose gradient sync is off for this pass. Its
+    own loss division would then make every update too small, so the wrapper refuses."""
+    if isinstance(closure, functools.partial) and closure.args:
+        trainer = getattr(closure.args[0], "_trainer", None)
+        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+            return "a Lightning Trainer with accumulate_grad_batches > 1"
+    accelerate = sys.modules.get("accelerate.state")
+    if accelerate is not None:
+        shared = accelerate.GradientState._shared_state
+        if shared.get("sync_gradients", True) is False:
+            return "Accelerate (or the HF Trainer) with gradient_accumulation_steps > 1"
+    return None
+
+
+def refuse_framework(framework: str) -> str:
+    """The refusal for :func:`framework_accumulating`'s answer."""
+    return (
+        f"Accumulate: {framework} accumulates gradients around the wrapper, dividing each loss "
+        "by its own step count, so every update would be too small; expected the framework's "
+        "accumulation set to 1 (the wrapper's every= sets the window) or accumopt's "
+        "integration for it (accumopt.integrations)."
+    )

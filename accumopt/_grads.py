@@ -1,9 +1,4 @@
-"""In-place arithmetic on gradients, batched with ``torch._foreach_*`` where torch allows it.
-
-Private helpers shared by the accumulation logic. Dense gradients go through one
-``torch._foreach_*`` call per operation (torch groups them by device and dtype internally);
-sparse gradients, which the foreach kernels do not take, are handled one by one.
-"""
+"""In-place arithmetic on gradients: dense ones in batched ``torch._foreach_*`` calls."""
 
 from __future__ import annotations
 
@@ -16,6 +11,9 @@ from operator import attrgetter, is_not
 import torch
 from torch import Tensor
 
+_GRAD = attrgetter("grad")
+_TENSOR_DIVISOR = frozenset((torch.float32, torch.float64))
+
 
 def params_of(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
     """All parameters of ``param_groups``, in state-dict order (group by group)."""
@@ -23,32 +21,28 @@ def params_of(param_groups: Iterable[dict[str, object]]) -> list[Tensor]:
 
 
 def same_listing(listed: list[Tensor] | None, params: list[Tensor]) -> list[Tensor]:
-    """``listed`` where it holds the tensors of ``params`` in the same order (the same list
-    object while nothing changed), else ``params``."""
+    """``listed`` (the same object) if it holds the tensors of ``params`` in order, else those."""
     if listed is not None and len(listed) == len(params) and not any(map(is_not, params, listed)):
         return listed
     return params
 
 
-_GRAD = attrgetter("grad")
-
-
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     """The ``.grad`` tensors that exist, in parameter order."""
-    return present(list(map(_GRAD, params)))
+    grads = list(map(_GRAD, params))
+    return grads if all(map(is_not, grads, repeat(None))) else [g for g in grads if g is not None]
 
 
-def _split_sparse(grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    dense = [g for g in grads if not g.is_sparse]
-    sparse = [g for g in grads if g.is_sparse] if len(dense) != len(grads) else []
-    return dense, sparse
+def by_kind(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """``tensors`` grouped by (device, dtype), in order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
 
 
 def holds_indices(total: Tensor, part: Tensor) -> bool:
-    """Whether ``total`` has an entry at every index where the sparse ``part`` has one: true
-    of a sum accumulated from ``part`` (concatenated, or coalesced into the union of the
-    indices); a dense ``total`` (sparse plus dense accumulation) counts as holding it. Used to
-    tell a sparse gradient that accumulation replaced from one cleared and rebuilt."""
+    """Whether ``total`` holds every index of the sparse ``part`` (as a sum accumulated from it)."""
     if not total.is_sparse:
         return True
     if total.sparse_dim() != part.sparse_dim() or total.shape != part.shape:
@@ -65,85 +59,43 @@ def _linear_indices(sparse: Tensor) -> Tensor:
     return flat
 
 
-_TENSOR_DIVISOR = (torch.float32, torch.float64)
-_DTYPE = attrgetter("dtype")
-_IS_CPU = attrgetter("is_cpu")
-
-
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)  # a window's divisor rarely changes
 def _cpu_scalar(value: float, dtype: torch.dtype) -> Tensor:
-    """A 0-dim CPU tensor holding ``value`` (cached: a window's divisor rarely changes)."""
     return torch.tensor(value, dtype=dtype)
 
 
-def present(grads: list[Tensor | None]) -> list[Tensor]:
-    """``grads`` without its None entries (the list itself when it has none)."""
-    if all(map(is_not, grads, repeat(None))):
-        return grads  # type: ignore[return-value]
-    return [g for g in grads if g is not None]
-
-
 def div_(grads: list[Tensor], divisor: float | Tensor) -> None:
-    """Divide every gradient in place by ``divisor`` (a Python number or a 0-dim tensor).
-
-    On the CPU a Python number is turned into one 0-dim tensor per dtype group of float32 or
-    float64 gradients: torch's CPU foreach kernels take that overload 2-4x faster than a
-    number, with bit-identical results (the number is rounded to the gradients' dtype either
-    way; the CPU kernels run tensor by tensor, sparse ones too). Other dtypes divide by the
-    number itself (a bf16/fp16 gradient is not divided by a divisor rounded to bf16/fp16), and
-    so do accelerators (a new device tensor would cost a host-to-device copy; their foreach
-    kernels are fused anyway). The usual case (CPU gradients of one such dtype) is recognised
-    in two C-level passes over the gradients and divided in one call. Gradients with a history
-    (``create_graph=True``) are divided without recording one.
-    """
+    """Divide every gradient in place by ``divisor`` (a number or a 0-dim tensor), recording no
+    history; CPU float32/64 ones by a 0-dim tensor (2-4x faster than a number, bit-identical)."""
     if torch.is_grad_enabled():  # outside the autograd engine's final callback
         with torch.no_grad():
-            _div(grads, divisor)
-    else:
-        _div(grads, divisor)
-
-
-def _div(grads: list[Tensor], divisor: float | Tensor) -> None:
-    if not isinstance(divisor, Tensor):
-        dtypes = set(map(_DTYPE, grads))
-        if len(dtypes) == 1 and all(map(_IS_CPU, grads)):
-            dtype = dtypes.pop()
-            if dtype in _TENSOR_DIVISOR:
-                torch._foreach_div_(grads, _cpu_scalar(float(divisor), dtype))
-                return
-    dense, sparse = _split_sparse(grads)
+            div_(grads, divisor)
+        return
+    if not isinstance(divisor, Tensor):  # the usual case, found in two C-level passes
+        dtypes = set(map(attrgetter("dtype"), grads))
+        if len(dtypes) == 1 and dtypes <= _TENSOR_DIVISOR and all(map(attrgetter("is_cpu"), grads)):
+            torch._foreach_div_(grads, _cpu_scalar(float(divisor), dtypes.pop()))
+            return
+    dense = [g for g in grads if not g.is_sparse]
     if dense and isinstance(divisor, Tensor):
         torch._foreach_div_(dense, divisor)
     elif dense:
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in dense:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for (device, dtype), tensors in groups.items():
-            if device.type == "cpu" and dtype in _TENSOR_DIVISOR:
-                torch._foreach_div_(tensors, _cpu_scalar(float(divisor), dtype))
-            else:
-                torch._foreach_div_(tensors, divisor)
-    for g in sparse:
-        g.div_(divisor)
+        for (device, dtype), tensors in by_kind(dense).items():
+            cpu = device.type == "cpu" and dtype in _TENSOR_DIVISOR
+            torch._foreach_div_(tensors, _cpu_scalar(float(divisor), dtype) if cpu else divisor)
+    if len(dense) != len(grads):
+        for g in grads:
+            if g.is_sparse:
+                g.div_(divisor)
 
 
 @torch.no_grad()
 def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
-    """Divide every gradient in place by the loss scale and report inf/NaN, without a host sync.
-
-    Args:
-        grads: gradient tensors (dense or sparse), any devices and floating dtypes.
-        scale: 0-dim float32 tensor, the loss scale the gradients were computed under.
-
-    Returns:
-        A 0-dim float32 tensor on ``scale.device``, > 0 when any gradient held an inf or NaN.
-    """
+    """Divide every gradient in place by the loss ``scale`` (0-dim float32) without a host sync;
+    returns a 0-dim float32 tensor on ``scale.device``, > 0 if any held an inf or NaN."""
     found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
     inv_scale = scale.double().reciprocal().float()
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g._values() if g.is_sparse else g)
-    for (device, _), tensors in groups.items():
+    for (device, _), tensors in by_kind(g._values() if g.is_sparse else g for g in grads).items():
         local_inf = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, local_inf, inv_scale.to(device))
         found_inf += local_inf.to(scale.device)
@@ -152,25 +104,18 @@ def unscale_(grads: list[Tensor], scale: Tensor) -> Tensor:
 
 @torch.no_grad()
 def clip_(params: list[Tensor], max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also for sparse gradients;
-    returns the total 2-norm before clipping (0-dim tensor). ``max_norm=inf`` only measures.
-
-    torch's clipping has no sparse norm; a sparse gradient's norm is that of its coalesced
-    values (duplicate indices summed first), and it is scaled in place like a dense one. The
-    total norm, the ``1e-6`` guard and the coefficient clamped to 1 are torch's.
-    """
+    """``clip_grad_norm_(params, max_norm)``, also for sparse gradients (their coalesced values'
+    norm); returns the total 2-norm before clipping (0-dim). ``max_norm=inf`` only measures."""
     grads = grads_of(params)
-    dense, sparse = _split_sparse(grads)
-    if not sparse and max_norm != math.inf:
-        total: Tensor = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return total
-    if not sparse:
-        return torch.nn.utils.get_total_norm(dense)
-    norms = [torch.linalg.vector_norm(g) for g in dense]
-    norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in sparse]
-    device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-    if max_norm != math.inf:
+    if not any(g.is_sparse for g in grads):
+        if max_norm != math.inf:
+            total: Tensor = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return total
+        return torch.nn.utils.get_total_norm(grads)
+    norms = [torch.linalg.vector_norm(g) for g in grads if not g.is_sparse]
+    norms += [torch.linalg.vector_norm(g.coalesce().values()) for g in grads if g.is_sparse]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if max_norm != math.inf:  # torch's 1e-6 guard and coefficient clamped to 1
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device))
@@ -178,8 +123,7 @@ def clip_(params: list[Tensor], max_norm: float) -> Tensor:
 
 
 def all_finite(grads: list[Tensor]) -> bool:
-    """Whether every gradient is free of inf and NaN (one fused check per device and dtype,
-    as ``GradScaler`` does it, and one host sync)."""
+    """Whether no gradient holds an inf or NaN (a fused check per device and dtype, one sync)."""
     if not grads:
         return True
     one = torch.ones((), dtype=torch.float32, device=grads[0].device)

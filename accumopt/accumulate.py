@@ -1,87 +1,112 @@
 """Gradient accumulation as an optimizer wrapper: ``Accumulate(optimizer, every=N)``.
 
-The torch.optim facade. It composes the parts that decide, and decides nothing they decide:
-
-- ``_backward_counter.BackwardCounter``: sees each backward pass end (one micro-step);
-- ``_window.Window``: counts micro-steps and items, says when the window closes and what it
-  divides by;
-- ``_window_buffer.WindowBuffer``: where finished micro-steps live (``.grad`` or a float32
-  buffer; AMP folding; rollback) and how the window's gradient is formed at the boundary;
-- ``distributed.GradSync``: every cross-rank decision and collective (DDP/FSDP2);
-- ``_checkpoint``: the state-dict format and pickling.
+The wrapper is a ``torch.optim.Optimizer`` whose window lives in one record
+(:class:`accumopt._state.State`, with a :class:`~accumopt._state.Phase`). Every call that
+changes more than one field of it first sets the phase to BROKEN and sets the final phase
+last, so an exception or interrupt anywhere in between leaves a wrapper that refuses every
+call but ``discard()`` and ``load_state_dict()``, never a half-changed one.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from functools import partial
 from threading import get_ident
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils.hooks import RemovableHandle
 
-from accumopt import _binding, _checkpoint, _checks, _guards, _noise_attach, _refusals, noise
-from accumopt._foreign import accumulation as foreign_accumulation
-from accumopt._grads import params_of, same_listing
-from accumopt._inner import any_step_hooks, watch_steps
-from accumopt._intake import _PER_MICRO_BATCH, MicroStepIntake
-from accumopt._window import SizeFn, Window, WindowReport
-from accumopt._window_buffer import WindowBuffer
-from accumopt.decorator import held_by_call
+from accumopt import _checkpoint, _checks, _grads
+from accumopt._buffer import WindowBuffer
+from accumopt._counting import COMPILED_AUTOGRAD, GROUP, PENDING, Counter, distributed
+from accumopt._guard import Guard
+from accumopt._state import Phase, Rules, SizeFn, State, Window
+from accumopt.distributed import GradSync, LocalSync, is_distributed, sync_for
 
 _LOG = logging.getLogger("accumopt")
+OPEN, PASS, HELD = Phase.OPEN, Phase.PASS, Phase.HELD
+CLOSED, APPLY, BROKEN = Phase.CLOSED, Phase.APPLY, Phase.BROKEN
+
+UNREFUSABLE = (
+    "This backward pass did not go through opt.backward(), so it could only be refused after "
+    "its gradient reached .grad: call opt.discard(), then fix the loop."
+)
+_FAILED = "an earlier call into the wrapper failed part-way ({})"
+_COUNTING = _FAILED.format("counting a micro-step")
+_FOLDING = _FAILED.format("scaler.step(opt) inside the window")
+_APPLYING = _FAILED.format("step() applying the window")
+_FLUSHING = _FAILED.format("flush() closing the window")
+_DISCARDING = _FAILED.format("discard()")
+_ROUTING = _FAILED.format("enable_rollback()")
+_WIPED = (
+    "the gradients of the open window were cleared or replaced outside the wrapper (see the "
+    "error raised then)"
+)
+STEPPED_DIRECTLY = (
+    "Accumulate: the inner {name} was stepped directly while the wrapper accumulates its "
+    "gradients (on a partial window); it was not stepped. Call opt.step() on the wrapper, or "
+    "drop the wrapper (del opt) to step the inner optimizer yourself."
+)
 
 
-class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
+class Accumulate(torch.optim.Optimizer):
     """Wrap any ``torch.optim.Optimizer`` so that it steps once per window of micro-batches.
 
     Example::
 
-        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8, model=model)
+        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
         for x, y in loader:                      # micro-batches
             F.cross_entropy(model(x), y).backward()
             opt.step()        # the inner optimizer steps on every 8th backward pass only
-            opt.zero_grad()   # clears .grad only after a real step
+            opt.zero_grad()   # clears .grad only between windows
 
     Each backward pass into a wrapped parameter is one micro-step. When the window completes,
-    ``.grad`` holds its gradient (the mean over micro-steps; with ``opt.backward(loss_sum,
-    items=n)`` the summed loss over the window's items; the sum for ``reduction="sum"``) and
-    :attr:`will_update` is True; :meth:`step` clips and steps the inner optimizer.
+    ``.grad`` holds its gradient (the mean over micro-steps; with items, the summed loss
+    divided by the window's items; the sum for ``reduction="sum"``) and :attr:`will_update`
+    is True; :meth:`step` clips and steps the inner optimizer.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` but LBFGS; its ``param_groups``, ``state`` and
             ``defaults`` are shared (schedulers, clipping and checkpoints work unchanged).
-        every: micro-steps per update (int >= 1), or ``every_items``: items per update; either
-            may be a schedule (``accumopt.schedules``). noise_scale: see ``accumopt.noise``.
-        reduction: ``"mean"`` (default) or ``"sum"`` (padertorch's summed gradients).
+        every: micro-steps per update (int >= 1), or ``every_items``: items per update (a
+            number > 0); either may be a schedule ``f(updates, items_seen) -> size``
+            (:mod:`accumopt.schedules`).
+        reduction: ``"mean"`` (default) or ``"sum"`` (summed gradients).
         max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step
-            (``inf``: measure it only, :attr:`last_window`); the attribute may be set
-            between steps (read at each boundary).
-        scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``: each micro-step is
-            unscaled with its own loss scale.
-        buffer: where finished micro-steps are summed: None, a float32 buffer for bf16/fp16
-            parameters; True, every parameter (rollback); False, never.
-        nonfinite: inf/NaN micro-batches: None (unchecked), ``"skip_window"``,
-            ``"skip_micro_batch"`` (optax ``skip_not_finite``) or ``"raise"``.
-        model: the model the losses come from (the documented setting for an ``nn.Module``):
-            counting at its outputs, one hook per forward call (without it: one hook per
-            parameter tensor per backward pass); with DDP or FSDP2, one gradient sync per
-            update and items summed over the ranks.
-        reduce_every_micro_step: synchronise every micro-step, not the closing one.
+            (``inf``: measure only, :attr:`last_window`); may be set between steps.
+        scaler: the ``torch.amp.GradScaler`` of a loop that calls ``scaler.step(opt)`` on
+            every micro-step: each micro-step is unscaled with its own loss scale. A loop
+            that calls it at the boundary only (PyTorch's AMP recipe) needs none.
+        buffer: where finished micro-steps are summed: None (default), a float32 buffer for
+            bf16/fp16 parameters; True, every parameter (a failed micro-batch can be dropped
+            alone); False, never.
+        nonfinite: inf/NaN gradients: None (unchecked) or ``"skip_window"`` (one host sync
+            per window; a window with an inf/NaN is dropped without an update).
+        model: the model the losses come from: counting at its outputs (one hook per forward
+            call, cheaper than one per parameter tensor for large models); with DDP or FSDP2,
+            one gradient sync per update and items summed over the ranks.
+        reduce_every_micro_step: synchronise every micro-step, not only the closing one.
+        noise_scale: True or an :class:`accumopt.noise.NoiseScale`: estimate the gradient
+            noise scale from the windows.
 
     Attributes:
-        optimizer: the inner optimizer. updates (int): inner steps applied. did_update (bool):
-            whether the last :meth:`step`/:meth:`flush` updated (False again once the next
-            micro-step is counted). skipped_micro_steps (int). last_window
-            (:class:`~accumopt._window.WindowReport` | None): the last boundary.
+        optimizer: the inner optimizer. last_window (:class:`~accumopt._state.Window` | None):
+            the last boundary. noise_scale: the estimator, or None. driven_by (str | None): the
+            framework whose loop cuts the windows (set by accumopt's integrations); while it
+            is None, a framework's own accumulation around the wrapper (Lightning's
+            ``accumulate_grad_batches``, the HF Trainer's ``gradient_accumulation_steps``) is
+            refused at the first micro-step.
 
     Raises:
-        TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not
-            a ``GradScaler``; ``model`` not an ``nn.Module``.
-        ValueError: a setting out of range or a combination accumopt cannot honour exactly;
-            ``model`` holds none of the optimizer's parameters.
+        TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not a
+            ``GradScaler``; ``model`` not an ``nn.Module``; a flag not a bool.
+        ValueError: a setting out of range, or a combination accumopt cannot honour exactly.
 
     References:
         optax ``MultiSteps``; Megatron-LM ``calculate_per_token_loss``; PyTorch's AMP
@@ -89,11 +114,8 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step hands us grad_scale and found_inf
-    _pending_items: float | None
-    _deferred: tuple[float | None] | None
-    _accumopt_wrapper = True  # what _checks.check_optimizer refuses to wrap again
-    _inner_stepping = False  # only the wrapper may step the inner optimizer (_inner.py)
-    model: torch.nn.Module | None  # set by _binding.bind
+    _accumopt_wrapper = True
+    model: torch.nn.Module | None
 
     def __init__(
         self,
@@ -108,7 +130,7 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         nonfinite: str | None = None,
         model: torch.nn.Module | None = None,
         reduce_every_micro_step: bool = False,
-        noise_scale: bool | noise.NoiseScale = False,
+        noise_scale: Any = False,
     ) -> None:
         inner = _checks.check_optimizer(optimizer)
         every, every_items = _checks.check_window(every, every_items)
@@ -117,283 +139,982 @@ class AccumulatingOptimizer(MicroStepIntake, torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
+        self.reduce_every_micro_step = _checks.check_flag(
+            reduce_every_micro_step, "reduce_every_micro_step"
+        )
         # Base init on copies of the groups, then share the inner's containers by identity
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self.optimizer, self.param_groups = inner, inner.param_groups
         self.state, self.defaults = inner.state, inner.defaults
-        self.updates, self.skipped_micro_steps, self.did_update = 0, 0, False
-        self.last_window: WindowReport | None = None
-        self.reduce_every_micro_step = bool(reduce_every_micro_step)
-        self._window = Window(every, every_items, self.reduction)
-        buffer_all = self.buffer is True or self.nonfinite in _PER_MICRO_BATCH
-        self._buffer = WindowBuffer(self.buffer, buffer_all, self.scaler)
-        self._guard = _guards.WindowGuard()
-        self._drop_at_step = False  # a non-finite micro-batch, kept until GradScaler saw it
-        self._thread: int | None = None  # the thread that steps the wrapper (the first one)
-        self._defer, self._deferred = False, None  # the runner's deferred counting
-        self._pending_items, self._awaiting_end = None, False  # opt.backward()'s pass
-        self._listed: list[Tensor] | None = None  # the last listing (_window_params)
-        _binding.bind(self, model)  # sets model, _sync (DDP/FSDP2) and _counter
-        self.noise_scale = _noise_attach.attach(self, noise_scale)  # off: None, and nothing runs
+        self._rules = Rules(every, every_items, self.reduction)
+        self._state = State()
+        rollback = self.buffer is True
+        self._buffer = WindowBuffer(self.buffer, rollback, self.scaler)
+        self._guard = Guard()
+        self._micro_step_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._window_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._update_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.last_window: Window | None = None
+        self.driven_by: str | None = None
+        self._thread: int | None = None  # the thread that steps the wrapper
+        self._passes = 0  # backward passes this wrapper saw end (opt.backward's check)
+        self._hold = False  # the running opt.backward(hold=True)
+        self._held: float | Tensor | None = None  # the items of a HELD micro-step
+        self._listed: list[Tensor] | None = None
+        self._dtypes: tuple[Any, ...] = ()
+        self.model, self._sync = None, LocalSync()
+        self._counter: Counter | None = None
+        self._bind(model, "outputs")
+        self.noise_scale = _attach_noise(self, noise_scale)
         _checks.claim(inner, self)
-        self._inner_steps = watch_steps(inner, self)
+        _watch_inner(inner, self)
+        weakref.finalize(self, _warn_unapplied, self._state)
+        self._open()  # the first window's size (a schedule may refuse it)
 
-    every = property(lambda self: self._window.every, doc="Micro-steps per window, or None.")
-    every_items = property(lambda self: self._window.every_items, doc="Items per window, or None.")
-    micro_step = property(lambda self: self._window.micro_step, doc="Micro-steps in the window.")
-    items = property(lambda self: self._window.items, doc=_refusals.ITEMS)
-    will_update = property(lambda self: self._window.closed, doc=_refusals.WILL_UPDATE)
-    _opt_called = _guards.scheduler_handshake  # how torch's LR schedulers are seen
+    # ------------------------------------------------------------------ read-outs
 
-    def _window_params(self) -> list[Tensor]:
-        """The wrapped parameters in state-dict order, listed afresh at every call (groups added
-        to the inner optimizer or edited inside a window are seen), as the same list object
-        while they do not change (the window guard's read of ``.grad`` is reused at the close
-        only for that object)."""
-        self._listed = same_listing(self._listed, params_of(self.param_groups))
+    @property
+    def every(self) -> int | None:
+        """The open window's size in micro-steps (int), or None for a window in items (a
+        schedule that has given no valid size is asked first; None if it still gives none)."""
+        size = self._size()
+        return None if self._rules.in_items or size is None else int(size)
+
+    @property
+    def every_items(self) -> float | None:
+        """The open window's size in items, or None for a window in micro-steps (asked as
+        :attr:`every`)."""
+        return self._size() if self._rules.in_items else None
+
+    def _size(self) -> float | None:
+        if self._state.size is None and self._state.phase is OPEN:
+            self._rules.sized(self._state)
+        return self._state.size
+
+    micro_step = property(lambda self: self._state.micro_step, doc="Micro-steps in the window.")
+    items = property(
+        lambda self: self._state.items,
+        doc="Items counted in the open window (float; 0.0 if unweighted). Under DDP/FSDP2: "
+        "over all ranks for a window in items, else this rank's own until the boundary.",
+    )
+    will_update = property(
+        lambda self: self._state.phase is CLOSED,
+        doc="True from the end of the pass that closes the window until step(): the next "
+        "step() applies the update (under AMP, unless the window saw an inf/NaN).",
+    )
+    updates = property(lambda self: self._state.updates, doc="Inner steps applied so far.")
+    did_update = property(
+        lambda self: self._state.did_update,
+        doc="Whether the last step() or flush() applied an update (False again once the next "
+        "micro-step is counted).",
+    )
+    weighted = property(
+        lambda self: self._state.weighted,
+        doc="Whether the window's micro-steps carry items (None while it is empty).",
+    )
+    phase = property(lambda self: self._state.phase, doc="The window's phase (_state.Phase).")
+    world_size = property(
+        lambda self: self._sync.world_size,
+        doc="Ranks of the wrapper's DDP/FSDP2 model (1 without one).",
+    )
+    rank = property(
+        lambda self: self._sync.rank, doc="This process's rank in the model's ranks (0)."
+    )
+
+    def _params(self) -> list[Tensor]:
+        """The wrapped parameters in state-dict order, listed afresh (the same list object
+        while they do not change): when a window opens and closes."""
+        self._listed = _grads.same_listing(self._listed, _grads.params_of(self.param_groups))
         return self._listed
 
-    def _close_window(self, params: list[Tensor]) -> None:
-        """Form the window's gradient in ``.grad`` (divided once, over all ranks)."""
-        grads = _guards.check_close(self, params)
-        self._window.closed = True
-        self._sync.settle_items(self._window)
-        divisor = self._window.divisor(self._sync.world_size)
-        self._sync.close(self._buffer, params, divisor, grads)
+    def _listing(self) -> list[Tensor]:
+        """The parameters as last listed (:meth:`_params`; again after ``add_param_group``)."""
+        return self._listed or self._params()
 
-    def _plan_sync(self) -> None:
-        self._sync.plan_next(self._window, self._buffer, self.param_groups)
+    # ------------------------------------------------------------------ micro-steps
+
+    def backward(
+        self,
+        loss: Tensor,
+        items: float | Tensor | None = None,
+        *,
+        hold: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
+
+        Args:
+            loss: a one-element real tensor that requires grad; with ``items``, the
+                micro-batch's *summed* loss. Under AMP ``scaler.scale(loss)``. A pass that
+                reaches no wrapped parameter still counts.
+            items: how many items (samples, tokens) ``loss`` covers: a number >= 0 or a
+                one-element tensor (read without a host sync in a window counted in
+                micro-steps: its value is checked when the window closes; read at once in a
+                window counted in items, which needs it to know when it closes).
+            hold: leave the micro-step uncounted (phase HELD) until :meth:`commit` counts it
+                or :meth:`drop_micro_step` drops it (``MicroBatchRunner`` under DDP: the ranks
+                agree first).
+            **kwargs: forwarded to ``Tensor.backward``.
+
+        Raises:
+            TypeError / ValueError: a bad ``loss`` or ``items``; weighted and unweighted
+                micro-steps mixed; a window in items without ``items``.
+            RuntimeError: the window is complete and waits for :meth:`step`; an earlier call
+                or pass failed part-way. Nothing is accumulated by a refused call.
+        """
+        _checks.check_loss(loss, "Accumulate.backward")
+        if hold is not False and hold is not True:
+            _checks.check_flag(hold, "hold")
+        weight = self._check_micro_step("backward", items)
+        seen, self._hold = self._passes, hold
+        if weight is not None:
+            PENDING.set(weight, self)
+        try:
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            if self._passes == seen and self._state.phase is OPEN:  # reached nothing watched
+                self._end_pass(OPEN, weight)
+        finally:
+            if weight is not None:
+                PENDING.clear(self)
+            self._hold = False
+
+    def next_items(self, items: float | Tensor) -> None:
+        """Say that the next backward pass covers ``items`` items, for a pass accumopt does not
+        run (``accelerator.backward``, Lightning's ``manual_backward``): that pass is then a
+        micro-step weighted like ``opt.backward(loss_sum, items=items)`` for every wrapper it
+        reaches, and its loss must be the *summed* loss.
+
+        Raises:
+            ValueError: bad ``items``; a count already waits for its pass (:meth:`discard`
+                drops it); unweighted micro-steps in the window; several ranks without a
+                DDP/FSDP2 model. RuntimeError: as :meth:`backward`. Nothing changes then.
+        """
+        if items is None:
+            raise ValueError(
+                "Accumulate.next_items: items=None; expected the number of items the next "
+                "backward pass covers, a number >= 0 or a one-element tensor."
+            )
+        PENDING.set(self._check_micro_step("next_items", items), self)
+
+    def _check_micro_step(self, api: str, items: float | Tensor | None) -> float | Tensor | None:
+        """Validate a coming micro-step against the window; returns its item count."""
+        if PENDING._owner is not None and (waiting := PENDING.items) is not None:
+            raise ValueError(
+                f"Accumulate.{api}: next_items({float(waiting):g}) is still waiting for "
+                "its backward pass; expected one item count per pass. opt.discard() drops it. "
+                "Nothing was changed."
+            )
+        weight = None if items is None else _checks.check_items(items, api, self._rules.in_items)
+        s = self._state
+        if s.phase is not OPEN:
+            self.check_usable(api)
+        refusal = self._rules.refusal(s, weight is not None)
+        if refusal is not None:
+            raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
+        if weight is not None and not s.micro_step:  # a process group lasts the window
+            self._sync.check_weighted()
+        return weight
+
+    def _end_pass(self, before: Phase, items: float | Tensor | None) -> None:
+        """The end of a backward pass into the window (the counter's engine callback, or
+        :meth:`backward` for a pass that reached nothing watched): count it, hold it, or break
+        on it (``before``: the phase the pass found)."""
+        self._passes += 1
+        s = self._state
+        group = GROUP.members
+        if before is HELD and group is not None and any(m is self for m in group):
+            s.phase = HELD  # one more pass of the block's micro-step
+            self._guard.passed(2 if self._sync.synced else 1)
+            return
+        problem: tuple[type[Exception], str] | None = None
+        if before is not OPEN:
+            problem = RuntimeError, _not_open(before)
+        elif (refusal := self._rules.refusal(s, items is not None)) is not None:
+            problem = refusal
+        elif (
+            not s.micro_step
+            and self.driven_by is None
+            and (
+                framework := _checks.framework_accumulating()  # once a window: it lasts a window
+            )
+        ):
+            problem = RuntimeError, _checks.refuse_framework(framework)
+        elif group is not None and items is not None:
+            problem = (
+                ValueError,
+                (
+                    "Accumulate: a pass of an accumopt.MicroStepGroup (accumopt.apply) "
+                    "came with an item count; expected mean losses there (one unweighted "
+                    "micro-step)."
+                ),
+            )
+        if problem is not None:
+            self._break("a backward pass could not join the window (see the error it raised)")
+            raise problem[0](f"{problem[1]} {UNREFUSABLE}")
+        if group is not None:
+            group.append(self)
+            self._held, s.phase = None, HELD
+        elif self._hold:
+            self._held, s.phase = items, HELD
+        else:
+            self._count(items)
+
+    def commit(self) -> None:
+        """Count the micro-step that :meth:`backward` with ``hold=True`` left waiting.
+
+        Raises:
+            RuntimeError: no micro-step waits (phase is not HELD).
+        """
+        if self._state.phase is not HELD:
+            raise RuntimeError(
+                f"Accumulate.commit: no micro-step waits to be counted (phase "
+                f"{self._state.phase.value}); expected opt.backward(loss, hold=True) first."
+            )
+        self._count(self._held)
+
+    def _count(self, items: float | Tensor | None) -> None:
+        """Count the micro-step whose pass ended (its gradient is in ``.grad``)."""
+        s = self._state
+        s.phase, s.broken = BROKEN, _COUNTING
+        items = self._sync.counted(items, s, self._rules)
+        s.micro_step, s.weighted, s.stepped, s.did_update = (
+            s.micro_step + 1,
+            items is not None,
+            False,
+            False,
+        )
+        if items is not None:
+            s.items += items
+        synced = self._sync.synced  # each sync writes into .grad once more
+        hooks = self._micro_step_hooks
+        if hooks:
+            for hook in hooks.values():
+                hook(self, items, synced)
+        if s.micro_step > 1 and (problem := self._guard.passed(2 if synced else 1)):
+            self._break(_WIPED)
+            raise RuntimeError(problem)
+        if self._rules.full(s):
+            self._close()
+            s.phase = CLOSED
+            return
+        buffer = self._buffer
+        buffer.micro_step_done(self._listing)
+        if isinstance(self._sync, GradSync):
+            self._plan()
+        if s.micro_step == 1:
+            self._guard.note(self.param_groups, self._in_grad())
+        elif self._guard.params is None and buffer.unfolded == 1:  # AMP: after a fold
+            self._guard.note_grads(self._in_grad())
+        s.phase = OPEN
+
+    def _close(self) -> None:
+        """Form the window's gradient in ``.grad`` (divided once, over all ranks); item counts
+        given as tensors are read here, once a window."""
+        s = self._state
+        if isinstance(s.items, Tensor):
+            s.items = _checks.check_count(
+                s.items.item(), "Accumulate: the window's items", "its summed loss"
+            )
+        problem = self._guard.wiped()
+        if problem is not None:
+            self._break(_WIPED)
+            raise RuntimeError(problem)
+        self._sync.settle(s, self._rules)
+        self._sync.close(self._buffer, self._params(), self._rules.divisor(s, self.world_size))
+        for hook in self._window_hooks.values():
+            hook(self)
+
+    def _in_grad(self) -> list[Tensor] | None:
+        """The parameters whose window lives in ``.grad`` between micro-steps, or None where
+        the closing pass replaces ``.grad`` itself (FSDP2, DDP's bucket views)."""
+        sync, buffer = self._sync, self._buffer
+        if sync.fsdp or getattr(sync.module, "gradient_as_bucket_view", False):
+            return None
+        params = self._listing()
+        if buffer.unfolded:  # AMP: every micro-step waits in .grad for scaler.step
+            return params
+        buffered = {id(p) for p in buffer.buffered_params(params)}
+        return [p for p in params if id(p) not in buffered] if buffered else params
+
+    def _plan(self) -> None:
+        """Plan the next pass's gradient sync (DDP/FSDP2). The sync keeps what it is given:
+        nothing that holds the wrapper (a dropped wrapper is freed without a collection)."""
+        if not isinstance(self._sync, GradSync):
+            return
+        buffer, groups = self._buffer, self.param_groups
+        self._sync.plan(
+            self._state, self._rules, lambda: buffer.grad_only(_grads.params_of(groups))
+        )
+
+    # ------------------------------------------------------------------ step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """End a micro-step; at the boundary clip, step the inner optimizer, set
-        :attr:`did_update`. Inside the window nothing happens (under AMP: a fold).
+        """End a micro-step; at the boundary clip and step the inner optimizer (or skip the
+        window), set :attr:`did_update`. Inside the window nothing else happens.
 
         Args:
             closure: as for every torch optimizer (Lightning passes one): called once, with
                 autograd on, before the step; it runs the micro-step's forward and backward.
 
         Returns:
-            The closure's return value (the loss), or None without a closure.
-
-        A zero step from ``torch.distributed.checkpoint``'s state initialisation (no backward
-        pass, every lr 0, zero gradients, no inner state) is run as DCP expects.
+            The closure's return value, or None.
 
         Raises:
-            RuntimeError: no backward pass since the last ``step()``; a backward pass failed
-                part-way (see :meth:`discard`); a learning rate changed inside the window; a
-                boundary with ``scaler=`` but not through ``scaler.step``; ``scaler.unscale_``
-                inside an open window. Anything the closure raises, before any step.
+            RuntimeError: no backward pass since the last ``step()``; an earlier call or pass
+                failed part-way; a learning rate changed inside the window (nothing applied);
+                ``scaler.step(opt)`` inside a window without ``scaler=``, or after
+                ``scaler.unscale_(opt)`` there; a second thread.
         """
         loss = None
         if closure is not None:
+            framework = self.driven_by is None and _checks.framework_accumulating(closure)
+            if framework:
+                raise RuntimeError(_checks.refuse_framework(framework) + " Nothing was changed.")
             with torch.enable_grad():
                 loss = closure()
-        if self._step_inside_window():
-            return loss
-        if any_step_hooks(self):
-            self._profiled_step()
+        if (
+            self._optimizer_step_pre_hooks
+            or self._optimizer_step_post_hooks
+            or _global_optimizer_pre_hooks
+            or _global_optimizer_post_hooks
+        ):
+            step = _hooked_step
         else:
-            self._step()
+            step = Accumulate._step
+        try:
+            step(self)
+        except BaseException:  # GradScaler.step deletes these only when step() returns
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            raise
         return loss
 
-    def _step_inside_window(self) -> bool:
-        """``step()`` after a plain micro-step inside the window: mark it stepped, and return
-        True; False (nothing done) where step() has more to do: a boundary, step hooks, AMP, a
-        micro-step to drop, a paused counter, another thread, no backward pass since."""
-        window = self._window
-        slow = window.closed or window.stepped or self._drop_at_step or any_step_hooks(self)
-        amp = "found_inf" in self.__dict__
-        if slow or amp or not self._counter._armed[0] or self._thread != get_ident():
-            return False
-        window.stepped, self.did_update = True, False
-        return True
-
-    # No Optimizer profiler/hook wrapper (~30 us a call) unless step hooks exist (see above);
-    # an LR scheduler replacing step on the instance is recorded (_guards.StepSlot)
-    step = _guards.StepSlot(step)
+    step.hooked = True  # type: ignore[attr-defined]  # torch's Optimizer leaves it unwrapped
 
     def _step(self) -> None:
-        amp = "found_inf" in self.__dict__  # set by GradScaler.step for the duration of step()
-        if self._window.stepped and not amp and _checkpoint.dcp_init_step(self):
-            return None  # torch.distributed.checkpoint's state initialisation (a zero step)
+        s = self._state
+        amp = self.__dict__.get("found_inf")  # set by GradScaler.step for this call
+        if amp is not None:
+            self._amp_step(amp)
+        elif s.phase is OPEN and not s.stepped and self._thread == get_ident():
+            s.stepped, s.did_update = True, False  # a micro-step inside the window
+        elif s.phase is CLOSED and self._thread == get_ident() and not self._scaled():
+            self._apply(None)
+        else:
+            self._step_refusal()
+
+    def _step_refusal(self) -> None:
+        """Everything ``step()`` does besides a micro-step and a boundary: bind the first
+        thread, run DCP's state initialisation, or refuse."""
+        s = self._state
         if self._thread is None:
             self._thread = get_ident()
-        elif self._thread != get_ident():  # a second thread: refused there and everywhere
-            self._counter.pause("thread")
-        with _binding.scaler_call(self):
-            if amp and self.scaler is None:  # scaler.step(opt), a wrapper built without scaler=
-                _binding.adopt_scaler(self)
-            scaled = self._buffer.loss_scale() is not None and not self._buffer.unscaled
-            problem = _refusals.step_refusal(amp, scaled, self)
-            if problem is not None:
-                raise problem
-            if self._window.closed and (foreign := foreign_accumulation(self)) is not None:
-                raise RuntimeError(foreign)
-            self._transaction(partial(self._step_body, amp))
+            return self._step()
+        if self._thread != get_ident():
+            self._break("step() was called from a second thread")
+            raise RuntimeError(
+                "Accumulate.step: called from a second thread; one wrapper counts the backward "
+                "passes of one thread, so it now refuses on every thread. Use one Accumulate "
+                "per training thread; opt.discard() drops the window."
+            )
+        self.check_usable("step")
+        if s.phase is OPEN and _checkpoint.dcp_init_step(self):
+            return None
+        hint = "Check that the loss depends on the wrapped parameters"
+        if self._counter is not None and self._counter.retired:
+            hint = "This wrapper was released (opt.release(), at the end of a fit): call "
+            hint += "opt.reattach()"
+        elif self.model is not None:
+            hint += (
+                f", computed from the outputs of the {type(self.model).__qualname__} given as "
+                "model= (the compiled module under torch.compile), or use opt.backward(loss)"
+            )
+        raise RuntimeError(
+            "Accumulate.step: no backward pass since the last step(); expected one backward "
+            f"pass before each step(). {hint}."
+        )
 
-    def _step_body(self, amp: bool) -> None:
-        grad_scale: Tensor | None = self.__dict__.get("grad_scale")
-        closed = self._window.closed  # a boundary counts as stepped once the inner step ran
-        self._window.stepped, self.did_update = not closed, False
-        if self._drop_at_step:
-            self._drop_at_step = False
-            self._drop()
-            return
-        params = self._window_params()
-        if amp:  # under DDP/FSDP2 the ranks first agree on the inf/NaN flag (one all-reduce)
-            found = self._buffer.inf_flag(self, self.__dict__["found_inf"])
-            found = self._sync.agreed_found_inf(self.scaler, self, found)
-            _guards.scaler_step(self, params, grad_scale, found)
-        if closed:
-            self._finish_window(params)
-            self._window.stepped = True
-
-    _profiled_step = torch.optim.Optimizer.profile_hook_step(_step)
-
-    def _finish_window(self, params: list[Tensor], clear_grads: bool = False) -> None:
-        """Step the inner optimizer on the window's gradient (or skip it), clear the gradients
-        if ``clear_grads`` (``flush()``), then reset. Retried after any failure (inside a
-        transaction), it does what is left: whether the update was applied is read from the
-        inner optimizer's step count against the count before the window's first attempt (so an
-        update is never applied twice), and the skip decision is taken once. Until the reset the
-        window stays closed (so a checkpoint refuses it, see ``_checkpoint.check_settled``). A
-        failure after the update (a post-step hook, the schedule's next size) clears ``.grad``:
-        the caller's ``zero_grad()`` may not come; the spent gradient must not join the next."""
-        if self._window.inner_base is None:  # the first attempt
-            self._window.inner_base = self._inner_steps[0]
-        base: int = self._window.inner_base
-        try:
-            self._apply_window(params, clear_grads, base)
-        except BaseException:
-            if self._inner_steps[0] > base:  # interrupted here: refusing until discard()
-                consistent, self._consistent = self._consistent, False
-                self.optimizer.zero_grad(set_to_none=True)
-                self._consistent = consistent
-            raise
-
-    def _apply_window(self, params: list[Tensor], clear_grads: bool, base: int) -> None:
-        window = self._window  # a failure leaves a window that a retried step() finishes (it
-        self._consistent = True  # redoes only what is left), but while clipping in place
-        if window.skip is None:
-            finite = self.nonfinite == "skip_window"
-            window.skip = window.divisor() is None or self._buffer.skip_window(params, finite)
-        try:
-            if window.skip:
-                self.optimizer.zero_grad(set_to_none=True)
-                _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", self.updates + 1)
-            elif self._inner_steps[0] == base:
-                _guards.check_lr(self)  # a scheduler stepped every micro-step: nothing applied
-                self._consistent = False
-                self._buffer.finalize(params, self.max_grad_norm)  # clipped once, even retried
-                self._inner_stepping = self._consistent = True
-                self.optimizer.step()  # raising before or after updating, the window stays
-        finally:  # closed (step() retries); applied is counted at once, a post hook raising
-            self._inner_stepping = False
-            if self._inner_steps[0] > base:
-                self.updates, self.did_update = window.applied(self.updates), True
-        self.last_window = window.report(self._buffer.grad_norm, self.did_update)
-        if clear_grads:  # before the reset: a failure here leaves the window closed, retried
-            self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()  # a schedule's bad size for the next one raises after it
-
-    def flush(self) -> bool:
-        """Apply the open, partial window now (epoch end), then clear the gradients; returns
-        whether it updated (:attr:`did_update`). RuntimeError after a failed pass (discard());
-        when it raises after the update began, ``flush()`` again finishes it (never twice)."""
-        self._check_not_paused("flush")
-        self.did_update = False
-        self._sync.release(self._window, flushing=True)  # all ranks flush; DDP syncs again
-        if self._window.micro_step == 0:
+    def _scaled(self) -> bool:
+        """Whether the closed window is in scaled units for a plain ``step()``: refused (a
+        ``scaler.unscale_(opt)`` at the boundary unscaled it: then it may go on)."""
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled():
             return False
-        return bool(self._transaction(self._flush))
+        from torch.amp.grad_scaler import OptState
 
-    def _flush(self) -> bool:
-        params = self._window_params()
-        if not self._window.closed:
-            self._close_window(params)
-        self._buffer.unscale_closed(params)
-        self._finish_window(params, clear_grads=True)
-        self._window.stepped = True
-        return self.did_update
+        state = scaler._per_optimizer_states.get(id(self))
+        if state is not None and state["stage"] is OptState.UNSCALED:
+            return False
+        raise RuntimeError(
+            "Accumulate.step: the window is complete but step() was not called through the "
+            "GradScaler given as scaler=, so its gradient is still scaled; expected "
+            "scaler.step(opt) followed by scaler.update(). Nothing was applied."
+        )
 
-    def discard(self) -> None:
-        """Drop the open window (gradients and counters; the inner optimizer is untouched): the
-        way out after a backward pass that failed part-way (also :meth:`drop_micro_step`)."""
-        self._counter.pause("interrupted")  # re-armed once done: an interrupted discard() refuses
-        self._restart(clear_grads=True)
-        self._sync.release(self._window)
-        self.did_update = False
+    def _amp_step(self, found_inf: Tensor | int) -> None:
+        """``scaler.step(opt)``: inside the window, fold the micro-step with its own loss
+        scale; at the boundary, apply the window unless a micro-step had an inf/NaN."""
+        s = self._state
+        grad_scale = self.__dict__.get("grad_scale")
+        found = self._found_inf(found_inf)
+        if s.phase is CLOSED:
+            return self._apply((grad_scale, found))
+        if s.phase is not OPEN or s.stepped:
+            return self._step_refusal()
+        if self.scaler is None:
+            raise RuntimeError(
+                "Accumulate.step: scaler.step(opt) inside an open window, but the wrapper was "
+                "built without scaler=, so it cannot unscale each micro-step with its own loss "
+                "scale. Build it with Accumulate(..., scaler=scaler), or call scaler.step(opt) "
+                "only when opt.will_update (PyTorch's AMP recipe). Nothing was changed."
+            )
+        if grad_scale is None:  # scaler.unscale_(opt) ran on a partial window
+            self._break("scaler.unscale_(opt) ran inside an open window")
+            raise RuntimeError(
+                "Accumulate.step: scaler.unscale_(opt) ran inside an open window, so .grad "
+                "holds one micro-batch's unscaled gradient (clipping it clips a partial sum). "
+                "Unscale and clip only when opt.will_update, or use max_grad_norm=; "
+                "opt.discard() drops this window."
+            )
+        s.phase, s.broken = BROKEN, _FOLDING
+        problem = self._guard.wiped()
+        if problem is not None:
+            self._break(_WIPED)
+            raise RuntimeError(problem)
+        s.found_inf = found if s.found_inf is None else s.found_inf + found
+        self._buffer.fold_scaled(self._params(), grad_scale)
+        self._guard.forget_grads()
+        s.stepped, s.did_update, s.phase = True, False, OPEN
 
-    def _restart(self, clear_grads: bool) -> None:
-        """An empty window, no count waiting, counting re-armed (discard(), a checkpoint load)."""
-        if clear_grads:
+    def _found_inf(self, found_inf: Tensor | int) -> Tensor:
+        """The micro-step's inf/NaN flag as a tensor, agreed over the ranks. A micro-step that
+        reached no gradient has none (the scaler hands ``0``): a zero flag is recorded in the
+        scaler too, or ``scaler.update()`` would refuse."""
+        scaler = self.scaler
+        if not isinstance(found_inf, Tensor):
+            if scaler is None:
+                return torch.zeros(())
+            scale = scaler._get_scale_async()
+            assert scale is not None
+            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            states = scaler._per_optimizer_states[id(self)]
+            states["found_inf_per_device"][scale.device] = found_inf
+        if scaler is not None and isinstance(self._sync, GradSync):
+            return self._sync.agreed_found_inf(scaler, self, found_inf)
+        return found_inf
+
+    def _apply(self, amp: tuple[Tensor | None, Tensor] | None, clear: bool = False) -> None:
+        """Apply the closed window: refuse a learning rate changed inside it (the window stays
+        intact), then skip it or unscale, clip and step the inner optimizer, then open the
+        next window."""
+        problem = self._guard.lr_changed(self.param_groups)
+        if problem is not None:
+            raise RuntimeError(problem)
+        s = self._state
+        s.phase, s.broken = BROKEN, _APPLYING
+        params = self._listing()  # listed at the close
+        grad_scale = None if amp is None else amp[0]
+        found = s.found_inf
+        if amp is not None:
+            found = amp[1] if found is None else found + amp[1]
+        grad_norm = None
+        if not self._skip(params, found):
+            if grad_scale is not None:
+                _grads.div_(_grads.grads_of(params), grad_scale)
+            if self.max_grad_norm is not None:
+                grad_norm = _grads.clip_(params, self.max_grad_norm)
+            updates, s.phase = s.updates, APPLY
+            try:
+                self.optimizer.step()  # its post-step hook counts the update (_watch_inner)
+            except BaseException:
+                if s.updates > updates:  # applied, then a later post-step hook raised
+                    self._finish(grad_norm, clear=True)
+                else:  # the inner step failed before its update: refusing until discard()
+                    s.phase = BROKEN
+                raise
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-        self._window.stepped, self._pending_items, self._drop_at_step = True, None, False
+            _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", s.updates + 1)
+        self._finish(grad_norm, clear)
+
+    def _skip(self, params: list[Tensor], found: Tensor | None) -> bool:
+        """Whether the closed window is skipped: no items, or an inf/NaN (seen under AMP, or
+        with ``nonfinite="skip_window"`` in its gradient now; one host sync)."""
+        if self._rules.divisor(self._state, self.world_size) is None:
+            return True
+        if found is not None:
+            return bool(found.item() > 0)
+        if self.nonfinite == "skip_window":
+            return not _grads.all_finite(_grads.grads_of(params))
+        return False
+
+    def _finish(self, grad_norm: Tensor | None, clear: bool) -> None:
+        """After the update (or the skip): report, run the update hooks, clear the gradients
+        if ``clear`` (``flush()``), open the next window. A failure here (a hook, the schedule
+        asked for the next size) still opens it, with ``.grad`` cleared (the caller's
+        ``zero_grad()`` may not come; the spent gradient must not join the next window), and
+        is raised from a consistent wrapper."""
+        s = self._state
+        report = Window(s.micro_step, cast(float, s.items), grad_norm, s.did_update)
+        self.last_window = report
         try:
-            self._reset_window()
-        except ValueError:  # a schedule's bad size: the empty window is open, usable once fixed
-            self._counter.rearm()
+            for hook in self._update_hooks.values():
+                hook(self, report)
+            if clear:
+                self.optimizer.zero_grad(set_to_none=True)
+            self._open(ask=False)
+            self._ask()
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # raising again: BROKEN stays
+            if s.phase is not OPEN:
+                self._open(ask=False)
             raise
-        self._counter.rearm()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients only when no window is open (nor an ``accumopt.apply`` call holds a
-        pass): else a no-op, so it never wipes a window (:meth:`discard` drops one)."""
-        if self._window.micro_step == 0 and not held_by_call(self):
-            # paused until done, re-armed at the end (no gradient is left over): an
-            # interrupted zero_grad() refuses until discard()
-            self._counter.pause("interrupted")
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-            # once per window: count parameters unfrozen since the last look
-            self._counter.watch_groups(self.param_groups)
-            self._counter.rearm()
-
-    def _reset_window(self) -> None:
+    def _open(self, ask: bool = True) -> None:
+        """Open an empty window; then (``ask``) give it its size (:meth:`_ask`)."""
+        s = self._state
         self._guard.forget()
         self._buffer.reset()
-        self._window.reset(opened=self._plan_sync)  # a schedule's bad size raises after it
+        counter, params = self._counter, self._params()
+        multi = distributed()
+        if isinstance(self._sync, LocalSync):  # a DDP model not given to the wrapper syncs
+            self._sync.synced = multi
+        if counter is not None:
+            counter.requeue = isinstance(self._sync, GradSync) or multi
+            first = (params[0].dtype, params[0].device)
+            if first != self._dtypes:  # model.to(dtype or device) gave new autograd nodes
+                self._dtypes = first
+                counter.refresh()
+        self._rules.open(s)
+        s.stepped, s.phase = True, OPEN
+        self._plan()
+        if ask:
+            self._ask()
 
-    def set_model(self, model: torch.nn.Module, *, count_at: str = "outputs") -> None:
-        """Tell the wrapper the model its losses come from, after it was built: the same as
-        ``Accumulate(..., model=model)``. For frameworks that wrap the model (DDP, FSDP2) after
-        the optimizer exists: Accelerate's ``prepare``, the HF Trainer, Lightning strategies.
-        ``count_at="parameters"`` counts backward passes at the parameters (not at the
-        model's outputs) while syncing through the model: for a backward pass run inside the
-        model's forward (Lightning's ``manual_backward`` under DDP); not for FSDP2.
+    def _ask(self) -> None:
+        """Ask a schedule for the open window's size: a bad size, or a schedule that raises,
+        is raised from the open, consistent window (and asked again before a micro-step
+        joins it)."""
+        try:
+            problem = self._rules.sized(self._state)
+        finally:
+            self._plan()
+        if problem is not None:
+            raise ValueError(problem)
+
+    # ------------------------------------------------------------------ window control
+
+    def flush(self) -> bool:
+        """Apply the open, partial window now (its own exact mean; an epoch's end), then clear
+        the gradients; returns whether it updated (:attr:`did_update`).
 
         Raises:
-            RuntimeError: a window is open (call it between windows: before the first
-                backward pass, or right after an update); a backward pass failed part-way.
-            TypeError / ValueError: as ``model=`` (not a module, none of the parameters, a
-                setting the model cannot honour). Nothing changes when it raises.
+            RuntimeError: an earlier call or pass failed part-way (``discard()``); FSDP2 holds
+                the window unreduced (see ``reduce_every_micro_step``).
         """
-        if self._window.micro_step:
-            raise RuntimeError(_refusals.SET_MODEL_IN_WINDOW)
-        self._check_not_paused("set_model")
-        _binding.bind(self, model, count_at)
+        s = self._state
+        self.check_usable("flush")
+        if s.phase is OPEN and not s.micro_step:
+            self._sync.release(s, flushing=True)
+            s.did_update = False
+            return False
+        self._sync.release(s, flushing=True)
+        if s.phase is OPEN:
+            s.phase, s.broken = BROKEN, _FLUSHING
+            self._close()
+            s.phase = CLOSED
+        scale = self._buffer.loss_scale()
+        if scale is not None:  # the closed window is in scaled units
+            found = _grads.unscale_(_grads.grads_of(self._params()), scale)
+            s.found_inf = found if s.found_inf is None else s.found_inf + found
+        self._apply(None, clear=True)
+        return s.did_update
+
+    def discard(self) -> None:
+        """Drop the open window (gradients, counters, a waiting item count; the inner
+        optimizer is untouched): the way out after anything that failed part-way."""
+        self._drop_window(release=True)
+
+    def _drop_window(self, release: bool) -> None:
+        """Drop the open window; ``release``: the model's own sync setting until the next
+        micro-step (``discard()``), else the planned one (a checkpoint's window goes on)."""
+        s = self._state
+        s.phase, s.broken = BROKEN, _DISCARDING
+        self.optimizer.zero_grad(set_to_none=True)
+        PENDING.clear(self)
+        if release:
+            self._sync.release(s)
+        else:
+            self._sync.drop_pending()
+        s.did_update, s.broken = False, ""
+        self._open()
+
+    def drop_micro_step(self) -> None:
+        """Drop the micro-step in flight (a pass that failed part-way, or a HELD one), keeping
+        every finished one: needs the rollback buffer (``buffer=True``,
+        :meth:`enable_rollback`) unless the window is empty.
+
+        Raises:
+            RuntimeError: the window is complete; finished micro-steps live in ``.grad``; an
+                earlier call failed part-way.
+        """
+        s = self._state
+        if s.phase in (BROKEN, APPLY):
+            self.check_usable("drop_micro_step")
+        if s.phase is CLOSED or not self._buffer.separable(s.micro_step):
+            why = (
+                "the window is complete and its gradient formed"
+                if s.phase is CLOSED
+                else "finished micro-steps share .grad with the one in flight, so it cannot be "
+                "dropped alone; use buffer=True (and scaler.step(opt) after every backward pass)"
+            )
+            raise RuntimeError(
+                f"Accumulate.drop_micro_step: {why}. opt.discard() drops the whole window."
+            )
+        self._drop()
+
+    def _drop(self) -> None:
+        s = self._state
+        for p in self._params():
+            p.grad = None
+        PENDING.clear(self)
+        self._held, s.phase = None, OPEN
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients only between windows (else a no-op, so it never wipes a
+        window); also clears what a backward pass that died in an empty window left."""
+        s = self._state
+        if s.micro_step == 0 and (s.phase is OPEN or s.phase is PASS):
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            s.phase = OPEN
+            if self._counter is not None:
+                self._counter.watch_groups(self.param_groups)  # parameters unfrozen since
+
+    def enable_rollback(self) -> None:
+        """Route every parameter through the window buffer from now on, so that a failed
+        micro-batch can be dropped alone; callable between micro-steps.
+
+        Raises:
+            RuntimeError: built with ``buffer=False``; an FSDP2 model; a failed call.
+        """
+        if self.buffer is False or self._sync.fsdp:
+            why = "built with buffer=False" if self.buffer is False else "an FSDP2 model's"
+            raise RuntimeError(
+                f"Accumulate.enable_rollback: {why} gradients cannot be rolled back per "
+                "micro-batch; expected buffer=None or True, and a DDP or single-process model."
+            )
+        self.check_usable("enable_rollback")
+        s = self._state
+        before, s.phase, s.broken = s.phase, BROKEN, _ROUTING
+        if not self._buffer.unfolded:
+            self._guard.forget_grads()  # the window moves out of .grad on purpose
+        self._buffer.route_all(self._params(), s.micro_step if before is OPEN else 0)
+        self._plan()
+        s.phase = before
+
+    @property
+    def rollback(self) -> bool:
+        """Whether every parameter goes through the window buffer (a failed micro-batch can be
+        dropped alone: :meth:`drop_micro_step`)."""
+        return self._buffer.buffer_all
+
+    def disable_rollback(self) -> bool:
+        """Keep the window that opens next in ``.grad`` (no rollback buffer), where that is the
+        wrapper's own setting (not ``buffer=True``);
+        returns whether it did. Only between windows (else False)."""
+        s = self._state
+        own = self.buffer is True
+        if own or s.micro_step or s.phase is not OPEN:
+            return False
+        self._buffer.buffer_all = False
+        self._buffer.forget_params()
+        return True
+
+    def check_usable(self, api: str = "check_usable") -> None:
+        """Raise the refusal every call but ``discard()`` and ``load_state_dict()`` raises now
+        (RuntimeError naming ``api``), if any: a backward pass or a call into the wrapper that
+        failed part-way, a micro-step that waits (phase PASS, HELD, APPLY or BROKEN)."""
+        s = self._state
+        phase = s.phase
+        if phase is OPEN or phase is CLOSED:
+            return
+        if phase is PASS:
+            why = (
+                "the last backward pass ran under compiled autograd, whose end accumopt cannot "
+                "see; turn compiled autograd off (torch.compile of the model is fine) and call "
+                "opt.discard()."
+                if s.broken == COMPILED_AUTOGRAD
+                else "an earlier backward pass failed part-way (an OOM, say) and its partial "
+                "gradient is in .grad. Call opt.discard(), or opt.drop_micro_step() with the "
+                "rollback buffer."
+            )
+        elif phase is HELD:
+            why = "a micro-step waits for opt.commit() or opt.drop_micro_step()."
+        else:
+            why = f"{s.broken}; call opt.discard() (or load_state_dict()) first."
+        raise RuntimeError(f"Accumulate.{api}: {why} {api}() changed nothing.")
+
+    def _break(self, why: str) -> None:
+        """Leave the wrapper BROKEN (``why``: what happened, for every later refusal): only
+        ``discard()`` and ``load_state_dict()`` go on."""
+        s = self._state
+        s.broken, s.phase = why, BROKEN
+
+    # ------------------------------------------------------------------ binding
+
+    def set_model(self, model: torch.nn.Module, *, count_at: str = "outputs") -> None:
+        """Tell the wrapper the model its losses come from, after it was built (a framework
+        wrapped it in DDP/FSDP2 later): the same as ``Accumulate(..., model=model)``.
+        ``count_at="parameters"`` counts passes at the parameters while syncing through the
+        model (Lightning's ``manual_backward`` runs inside DDP's forward); not for FSDP2.
+
+        Raises:
+            RuntimeError: a window is open (call it between windows); a failed call.
+            TypeError / ValueError: as ``model=``. Nothing changes when it raises.
+        """
+        if self._state.micro_step or self._state.phase is not OPEN:
+            self.check_usable("set_model")
+            raise RuntimeError(
+                f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) is "
+                "open, counted and synced for the previous model; call set_model() between "
+                "windows (when opt.micro_step == 0), or opt.flush() first."
+            )
+        self._bind(model, count_at)
+
+    def _bind(self, model: Any, count_at: str) -> None:
+        """Count passes for ``model`` (or at the parameters) and synchronise through it; every
+        check runs before anything changes."""
+        model = _checks.check_model(model, self.optimizer)
+        if count_at not in ("outputs", "parameters"):
+            raise ValueError(
+                f"Accumulate.set_model: count_at={count_at!r}; expected 'outputs' or 'parameters'."
+            )
+        distributed = is_distributed(model)
+        fsdp = distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if fsdp:
+            _checks.check_fsdp(
+                count_at,
+                self._rules.in_items,
+                self.reduce_every_micro_step,
+                self.scaler,
+                self._buffer.buffer_all,
+            )
+            if self.__dict__.get("noise_scale") is not None:
+                raise ValueError(
+                    "Accumulate: noise_scale with an FSDP2 model is not supported; expected a "
+                    "single process or DDP (the estimate needs each rank's own gradient)."
+                )
+        params = _grads.params_of(self.param_groups)
+        sync = sync_for(model, params[0].device, self.reduce_every_micro_step)
+        counter = Counter(
+            self._state,
+            self._end_pass,
+            model if count_at == "outputs" else None,
+            confirm=not fsdp,
+            requeue=distributed and not fsdp,
+        )
+        counter.watch_groups(self.param_groups)
+        if self._counter is not None:
+            self._counter.remove()
+        self._sync.release(self._state)
+        self._sync.remove()
+        self.model, self._sync, self._counter = model, sync, counter
+        group = self.param_groups[0]  # DCP keeps the entry of the live key (_checkpoint)
+        for key in [k for k in group if str(k).startswith(_checkpoint.KEY)]:
+            del group[key]
+        group[_checkpoint.key_for(sync.rank)] = None
+        self._dtypes = (params[0].dtype, params[0].device)
+        self._plan()
+
+    def release(self) -> None:
+        """Stop counting this wrapper's backward passes (every hook removed; the window and the
+        inner optimizer stay): a framework's run that ended. :meth:`reattach` undoes it."""
+        if self._counter is not None:
+            self._counter.remove()
+
+    def reattach(self) -> None:
+        """Count passes again, where they were counted before :meth:`release` (a no-op if it
+        was not released)."""
+        if self._counter is not None and self._counter.retired:
+            module = self._counter._module
+            self._bind(self.model, "outputs" if module is not None else "parameters")
+
+    # ------------------------------------------------------------------ hooks
+
+    def register_micro_step_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(opt, items, synced)`` at every counted micro-step, before the wrapper
+        moves or divides anything (``.grad`` holds the window's running sum: at the first
+        micro-step, its own gradient). ``items``: its item count (over the ranks for a window
+        in items) or None; ``synced``: whether DDP/FSDP2 synchronised its pass."""
+        return _register(self._micro_step_hooks, hook)
+
+    def register_window_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(opt)`` when the window's gradient is formed in ``.grad`` (at the end of
+        the closing pass, or in ``flush()``), before ``step()`` applies it."""
+        return _register(self._window_hooks, hook)
+
+    def register_update_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(opt, report)`` after each boundary, applied or skipped (``report``: the
+        :attr:`last_window`), before the next window opens."""
+        return _register(self._update_hooks, hook)
+
+    def all_reduce_(self, tensors: list[Tensor]) -> None:
+        """Sum ``tensors`` over the ranks of the wrapper's DDP/FSDP2 model, in place (one
+        flattened all-reduce per dtype and device); nothing in one process."""
+        if isinstance(self._sync, GradSync):
+            self._sync.sum_grads(tensors)
+
+    def sum_over_ranks(self, a: float, b: float = 0.0, what: str = "") -> tuple[float, float]:
+        """``(a, b)`` summed over the ranks of the wrapper's DDP/FSDP2 model (one small
+        collective on accumopt's agreement group; themselves in one process). RuntimeError on
+        every rank when another rank is at another point of the window (``what`` names the
+        caller's)."""
+        return self._sync.sum_over_ranks(float(a), float(b), what)
+
+    # ------------------------------------------------------------------ torch.optim
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer (and count backward passes through it)."""
+        """Add a group to the inner optimizer (and count passes through it)."""
         inner = self.__dict__.get("optimizer")
         if inner is None:  # Optimizer.__init__ filling our throw-away copies
             super().add_param_group(param_group)
             return
         inner.add_param_group(param_group)
+        self._listed = None
         self._buffer.forget_params()
-        self._counter.watch(self.param_groups[-1]["params"])
+        if self._counter is not None:
+            self._counter.watch(self.param_groups[-1]["params"])
 
-    # The checkpoint format lives in one place; its functions are these methods.
+    def train(self) -> None:
+        """The inner optimizer's ``train()`` where it has one (schedule-free optimizers)."""
+        getattr(self.optimizer, "train", _nothing)()
+
+    def eval(self) -> None:
+        """The inner optimizer's ``eval()`` where it has one (schedule-free optimizers)."""
+        getattr(self.optimizer, "eval", _nothing)()
+
     state_dict = _checkpoint.state_dict
-
     load_state_dict = _checkpoint.load_state_dict
+
+    def loadable(self, state_dict: Any) -> str | None:
+        """Why :meth:`load_state_dict` would refuse ``state_dict`` (its message), or None;
+        loads nothing."""
+        try:
+            _checkpoint.check(self, state_dict)
+        except (TypeError, ValueError) as err:
+            return str(err)
+        return None
+
+    def agree_on_loads(self, all_ranks: Callable[[bool], bool]) -> RemovableHandle:
+        """For a framework that loads one rank's optimizer state on every rank (Lightning's
+        DDP saves rank 0's alone): before each load the ranks agree (``all_ranks(ok)``, a
+        collective returning whether ``ok`` holds on every rank) that each can load it, and
+        every rank raises ValueError when one cannot (none waits in a collective for one
+        that raised). Returns the pre-hook's handle."""
+
+        def agree(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+            problem = cast(Accumulate, opt).loadable(state)
+            if not all_ranks(problem is None):
+                raise ValueError(
+                    problem
+                    or "Accumulate.load_state_dict: another rank refused the checkpoint's open "
+                    "window (see its error): a window is one rank's own partial gradient. "
+                    "Resume each rank from its own state dict, or from a checkpoint saved at "
+                    "a boundary. Nothing was changed."
+                )
+
+        return self.register_load_state_dict_pre_hook(agree)
+
     __getstate__ = _checkpoint.getstate
     __setstate__ = _checkpoint.setstate
 
     def __repr__(self) -> str:
-        every, every_items = self._window.every, self._window.every_items
-        window = f"every={every}" if every else f"every_items={every_items:g}"
+        every, every_items = self._rules.spec()
+        window = f"every={every!r}" if every is not None else f"every_items={every_items!r}"
         return f"Accumulate({window}, reduction={self.reduction!r}, optimizer={self.optimizer!r})"
 
 
-Accumulate = AccumulatingOptimizer
-"""Short public name of :class:`AccumulatingOptimizer`."""
+_hooked_step = torch.optim.Optimizer.profile_hook_step(Accumulate._step)
+
+
+def _not_open(phase: Phase) -> str:
+    """Why a backward pass cannot join a window in ``phase`` (CLOSED or HELD)."""
+    if phase is CLOSED:
+        return (
+            "Accumulate: a backward pass ran after the window closed and before step(); "
+            "expected step() after the pass that closes the window."
+        )
+    return "Accumulate: a backward pass ran while a micro-step waited for opt.commit()."
+
+
+def _nothing() -> None:
+    pass
+
+
+def _warn_unapplied(state: State) -> None:
+    """At the end of a wrapper (or of the process): say so when micro-steps were never applied
+    (a loop or framework that ended inside a window without ``flush()``)."""
+    if state.micro_step and state.phase is not BROKEN:
+        warnings.warn(
+            f"Accumulate: a wrapper ended with {state.micro_step} micro-step(s) of an open "
+            "window never applied; call opt.flush() where the data ends to apply a partial "
+            "window (or opt.discard() to drop it on purpose).",
+            UserWarning,
+            stacklevel=1,
+        )
+
+
+def _register(hooks: OrderedDict[int, Callable[..., None]], hook: Any) -> RemovableHandle:
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def _watch_inner(inner: torch.optim.Optimizer, owner: Accumulate) -> None:
+    """Hooks on the inner optimizer: a pre-step hook refuses a step the wrapper did not start
+    (stepped directly on a partial window); a post-step hook, run before every other one,
+    counts the update as soon as it is applied. Removed when ``owner`` is freed."""
+    ref, state = weakref.ref(owner), owner._state
+
+    def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if state.phase is not APPLY and ref() is not None:
+            raise RuntimeError(STEPPED_DIRECTLY.format(name=type(optimizer).__name__))
+
+    def after(*_: Any) -> None:
+        if state.phase is APPLY:  # one statement: an interrupt lands before or after all
+            state.updates, state.items_seen, state.did_update, state.phase = (
+                state.updates + 1,
+                state.items_seen + cast(float, state.items),
+                True,
+                BROKEN,
+            )
+
+    post = inner.register_step_post_hook(after)
+    inner._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
+    pre = inner.register_step_pre_hook(before)
+    weakref.finalize(owner, post.remove)
+    weakref.finalize(owner, pre.remove)
+
+
+def _attach_noise(opt: Accumulate, noise_scale: Any) -> Any:
+    """The noise-scale estimator subscribed to ``opt``'s hooks (a schedule that needs one,
+    ``schedules.AdaptiveBatch``, turns it on), or None."""
+    from accumopt.noise import NoiseScale  # noise imports nothing of the wrapper at import
+
+    schedule = opt._rules.schedule
+    wants = callable(getattr(schedule, "bind_noise_scale", None))
+    if noise_scale is None or noise_scale is False:
+        if not wants:
+            return None
+        noise_scale = True
+    if noise_scale is True:
+        noise_scale = NoiseScale()
+    if not isinstance(noise_scale, NoiseScale):
+        raise TypeError(
+            f"Accumulate: noise_scale={noise_scale!r}; expected True, False or an "
+            "accumopt.noise.NoiseScale (e.g. NoiseScale(decay=0.9))."
+        )
+    noise_scale.attach(opt)
+    if wants:
+        schedule.bind_noise_scale(noise_scale, opt._rules.in_items)  # type: ignore[union-attr]
+    return noise_scale

@@ -1,17 +1,10 @@
 """Find the largest micro-batch that fits, during training, from out-of-memory errors alone.
 
-The search is a bracket per input shape: the largest size that ran (``fits``) and the smallest
-that ran out of memory (``fails``). Without a failure yet it grows by doubling; without a
-success yet it halves the failing size; with both it bisects, and stops once the bracket is
-within ``tolerance`` of the size that fits. Every attempt that succeeds is a real micro-batch of
-training (nothing is wasted); only the failed attempts cost work. After ``grow_after`` clean
-micro-steps at a settled size the ceiling is raised by 25 % and probed once, so a transient
-memory squeeze does not shrink the micro-batch for good.
-
-Compared with the peers: Accelerate's ``find_executable_batch_size`` multiplies by 0.9 and
-restarts the training function; Lightning's batch-size finder searches before training
-(power or binsearch) and changes the effective batch; Composer and toma halve and never grow.
-"""
+The search keeps a bracket per input shape: the largest size that ran (``fits``) and the
+smallest that ran out of memory (``fails``). Without a failure it doubles, without a success
+it halves, with both it bisects, until the gap is within ``tolerance`` of ``fits``; only
+failed attempts cost work. After ``grow_after`` clean micro-steps at a settled size it probes
+25 % higher once, so a passing memory squeeze does not shrink the micro-batch for good."""
 
 from __future__ import annotations
 
@@ -26,21 +19,16 @@ from accumopt._checks import positive_int
 logger = logging.getLogger("accumopt")
 
 
+class NoMicroBatchFits(RuntimeError):
+    """Raised when even a micro-batch of one row runs out of memory."""
+
+
 def describe_key(key: Hashable) -> str:
-    """A size-search shape key as log lines show it: ``x: (3, 32, 32) float32, y: () int64``.
+    """A shape key (``_tree.RowSlicer.shape_key``: per tensor leaf ``(path, shape, dtype)`` or
+    ``(shape, dtype)``, the shape past dim 0) as log lines show it; any other key by ``str()``.
 
-    Takes the keys of ``_tree.RowSlicer.shape_key``: a tuple with one entry per tensor leaf, either
-    ``(shape, dtype)``, written ``(3, 32, 32) float32``, or ``(path, shape, dtype)``, written
-    ``path: (3, 32, 32) float32``. The shape is the leaf's shape past dim 0 (``()``: one
-    number per row); the dtype may be a string or a ``torch.dtype``. Any other key is written
-    with ``str()``, so a log line never fails on an unexpected key.
-
-    >>> describe_key((((3, 32, 32), "torch.float32"), ((), "torch.int64")))
-    '(3, 32, 32) float32, () int64'
-    >>> describe_key((("x", (3, 32, 32), "torch.float32"), ("y", (), "torch.int64")))
+    >>> describe_key((("x", (3, 32, 32), "torch.float32"), ("y", (), "int64")))
     'x: (3, 32, 32) float32, y: () int64'
-    >>> describe_key("text")
-    'text'
     """
     if not isinstance(key, tuple) or not key:
         return str(key)
@@ -55,65 +43,38 @@ def describe_key(key: Hashable) -> str:
 
 
 def check_search(
-    api: str,
-    start: tuple[str, object],
-    tolerance: object = 0.0,
-    grow_after: object = None,
-    max_size: object = None,
+    api: str, name: str, first: object, tolerance: object, grow_after: object, max_size: object
 ) -> None:
-    """Refuse nonsensical settings of the size search, naming ``api`` and the argument.
-
-    ``start`` is ``(name, value)``: ``("start", n)`` for :class:`MicroBatchSizer`,
-    ``("start_size", n)`` for the runner, where None (the whole batch) is allowed too.
-
-    Raises:
-        ValueError: the start is not an int >= 1 (or None where allowed); ``tolerance`` is not
-            a number in [0, 1); ``grow_after`` or ``max_size`` is not None or an int >= 1;
-            ``max_size`` is smaller than the start.
-    """
-    start_name, first = start
-    optional = start_name == "start_size"
+    """Refuse nonsensical search settings: ValueError naming ``api`` and the argument (the
+    first size is called ``name``; the runner's ``"start_size"`` may be None)."""
+    optional = name == "start_size"
     if not positive_int(first) and not (optional and first is None):
         raise ValueError(
-            f"{api}: {start_name}={first!r} is not an int >= 1; expected the first micro-batch "
-            f"size to try, in rows. Pass e.g. {start_name}=64"
+            f"{api}: {name}={first!r} is not an int >= 1; expected the first micro-batch size "
+            f"to try, in rows. Pass e.g. {name}=64"
             + (", or None to start at the whole batch." if optional else ".")
         )
-    if (
-        isinstance(tolerance, bool)
-        or not isinstance(tolerance, numbers.Real)
-        or not 0 <= float(tolerance) < 1  # NaN fails both comparisons
+    if isinstance(tolerance, bool) or not (
+        isinstance(tolerance, numbers.Real) and 0 <= float(tolerance) < 1  # NaN fails both
     ):
         raise ValueError(
             f"{api}: tolerance={tolerance!r} is not a number in [0, 1); expected the relative gap "
-            "at which the search stops bisecting. Pass e.g. tolerance=0.02 (within 2 %), or 0 "
-            "for the exact largest size."
+            "where the search stops. Pass e.g. tolerance=0.02, or 0 for the exact largest size."
         )
-    _optional_size(
-        api,
-        "grow_after",
-        grow_after,
-        "clean micro-steps at a settled size before a larger size is probed (None: never)",
-    )
-    _optional_size(api, "max_size", max_size, "largest micro-batch to try, in rows (None: no cap)")
+    for arg, value, meaning in (
+        ("grow_after", grow_after, "clean micro-steps before growing the size (None: never)"),
+        ("max_size", max_size, "largest micro-batch to try, in rows (None: no cap)"),
+    ):
+        if value is not None and not positive_int(value):
+            raise ValueError(
+                f"{api}: {arg}={value!r} is not an int >= 1 or None; expected the {meaning}. "
+                "Pass a whole number >= 1, or None."
+            )
     if positive_int(first) and positive_int(max_size) and max_size < first:
         raise ValueError(
-            f"{api}: max_size={max_size!r} is smaller than {start_name}={first!r}; expected "
-            f"max_size >= {start_name} (no micro-batch is ever larger than max_size). Lower "
-            f"{start_name} or raise max_size."
+            f"{api}: max_size={max_size!r} is smaller than {name}={first!r}; expected "
+            f"max_size >= {name}. Lower {name} or raise max_size."
         )
-
-
-def _optional_size(api: str, name: str, value: object, meaning: str) -> None:
-    if value is not None and not positive_int(value):
-        raise ValueError(
-            f"{api}: {name}={value!r} is not an int >= 1 or None; expected the {meaning}. "
-            f"Pass a whole number >= 1, or None."
-        )
-
-
-class NoMicroBatchFits(RuntimeError):
-    """Raised when even a micro-batch of the smallest size runs out of memory."""
 
 
 @dataclass
@@ -125,22 +86,17 @@ class _Bracket:
 
 @dataclass
 class MicroBatchSizer:
-    """The size-search state machine (pure Python, no torch), one bracket per shape key.
+    """The size search (pure Python), one bracket per shape key; ValueError on bad settings.
 
     Args:
-        start: the first size tried for a shape never seen (e.g. the whole batch), >= 1.
-        tolerance: stop bisecting when ``fails - fits <= max(1, tolerance * fits)``;
-            0 searches to the exact largest size (a few more failed attempts).
-        grow_after: clean micro-steps at a settled size after which the ceiling is raised by
-            25 % and probed once; None never grows back.
-        max_size: never propose more than this (None: no cap besides the rows at hand).
+        start: the first size tried for a shape never seen, >= 1.
+        tolerance: stop bisecting when ``fails - fits <= max(1, tolerance * fits)`` (0: exact).
+        grow_after: clean micro-steps at a settled size before it probes 25 % higher once;
+            None never grows back.
+        max_size: never propose more than this (None: no cap).
 
-    Attributes:
-        ooms (int): out-of-memory errors seen (failed attempts).
-        history (list[tuple[Hashable, int, str]]): every size change as (shape key, new size,
-            reason), in order.
-        current (int | None): the size the search is at (the last micro-batch of a batch may
-            be shorter: it takes the rows that are left).
+    Attributes: ``ooms`` (failed attempts), ``current`` (where the search stands, or None),
+    ``history`` (every size change as (shape key, new size, "first"/"larger"/"smaller")).
     """
 
     start: int
@@ -154,36 +110,34 @@ class MicroBatchSizer:
 
     def __post_init__(self) -> None:
         check_search(
-            "MicroBatchSizer", ("start", self.start), self.tolerance, self.grow_after, self.max_size
+            "MicroBatchSizer", "start", self.start, self.tolerance, self.grow_after, self.max_size
+        )
+
+    def _settled(self, b: _Bracket) -> bool:
+        return (
+            b.fits is not None
+            and b.fails is not None
+            and b.fails - b.fits <= max(1, math.floor(self.tolerance * b.fits))
         )
 
     def propose(self, key: Hashable, available: int) -> int:
         """The size to try next for inputs of shape ``key`` with ``available`` rows left."""
-        b = self._brackets.setdefault(key, _Bracket())
+        b = self._brackets.get(key)
+        if b is None:
+            b = self._brackets[key] = _Bracket()
         if b.fits is None:
             size = self.start if b.fails is None else max(1, b.fails // 2)
         elif b.fails is None:  # grow, but never past what this batch can test
             size = min(b.fits * 2, max(b.fits, available))
-        elif b.fails - b.fits > max(1, math.floor(self.tolerance * b.fits)):
-            size = (b.fits + b.fails) // 2
         else:
-            size = b.fits
-        if self.max_size is not None:
-            size = min(size, self.max_size)
-        size = max(1, size)
+            size = b.fits if self._settled(b) else (b.fits + b.fails) // 2
+        size = max(1, size if self.max_size is None else min(size, self.max_size))
         if size != self.current:  # a change of the search, not a short remainder of a batch
-            reason = (
-                "first"
-                if self.current is None
-                else ("larger" if size > self.current else "smaller")
-            )
+            was = self.current
+            change = f"starts at {size}" if was is None else f"{was} -> {size}"
+            logger.info("micro-batch size %s for inputs %s", change, describe_key(key))
+            reason = "first" if was is None else "larger" if size > was else "smaller"
             self.history.append((key, size, reason))
-            if self.current is None:
-                logger.info("micro-batch size starts at %d for inputs %s", size, describe_key(key))
-            else:
-                logger.info(
-                    "micro-batch size %d -> %d for inputs %s", self.current, size, describe_key(key)
-                )
             self.current = size
         return min(size, available)
 
@@ -193,35 +147,21 @@ class MicroBatchSizer:
         if b.fits is None or size > b.fits:
             b.fits, b.clean = size, 0
         b.clean += 1
-        settled = b.fails is not None and b.fails - b.fits <= max(
-            1, math.floor(self.tolerance * b.fits)
-        )
-        if settled and self.grow_after is not None and b.clean >= self.grow_after:
-            b.fails = max(b.fits + 1, math.ceil(1.25 * b.fails))  # type: ignore[operator]
-            b.clean = 0
-            logger.info(
-                "%d clean micro-steps at %d for inputs %s; probing larger sizes",
-                self.grow_after,
-                b.fits,
-                describe_key(key),
-            )
+        if self.grow_after is not None and b.clean >= self.grow_after and self._settled(b):
+            b.fails, b.clean = max(b.fits + 1, math.ceil(1.25 * b.fails)), 0  # type: ignore[operator]
+            logger.info("probing larger sizes than %d for inputs %s", b.fits, describe_key(key))
 
     def proven(self, key: Hashable, size: int) -> bool:
-        """Whether ``size`` rows ran for shape ``key`` since memory last got scarcer: at most
-        the largest size that ran, with no out-of-memory error at that size or below since."""
+        """Whether ``size`` rows ran for shape ``key`` since memory last got scarcer."""
         b = self._brackets.get(key)
         return b is not None and b.fits is not None and size <= b.fits
 
     def failed(self, key: Hashable, size: int) -> None:
-        """Record an out-of-memory error at ``size`` rows for shape ``key``.
-
-        Raises:
-            NoMicroBatchFits: ``size`` is 1 (nothing smaller to try).
-        """
+        """Record an out-of-memory error at ``size`` rows for shape ``key``; raise
+        :class:`NoMicroBatchFits` at 1 row (nothing smaller to try)."""
         self.ooms += 1
         b = self._brackets[key]
-        b.fails = size if b.fails is None else min(b.fails, size)
-        b.clean = 0
+        b.fails, b.clean = size if b.fails is None else min(b.fails, size), 0
         if b.fits is not None and b.fits >= size:
             b.fits = None  # memory got scarcer: a size that used to run no longer does
         logger.warning(

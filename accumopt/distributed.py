@@ -1,64 +1,57 @@
 """Every cross-rank decision and collective of accumopt: DDP and FSDP2.
 
-DDP: micro-steps inside a window run without gradient sync (``require_backward_grad_sync``,
-what ``no_sync()`` sets); the closing one syncs, overlapped with its backward: one all-reduce
-per update. A window in items, or finished micro-steps in the window buffer (not in ``.grad``,
-where DDP's reducer looks): accumopt all-reduces the window's gradient once at the boundary.
-Items are summed over the ranks (weighted windows are the mean over all ranks' items). FSDP2
-likewise via ``set_requires_gradient_sync``; ``reduce_every_micro_step=True`` syncs every one.
-
-Agreement: each per-rank decision that changes the window is agreed before it takes effect,
-on accumopt's own gloo group (never paired with DDP's buckets, FSDP2's reduce-scatters or a
-gradient sum: a size mismatch aborts gloo; the model's group if that is not the world), by an
-all-gather of 3 float64 per rank: data and *position* (what, at which micro-step). Ranks at
-different positions (micro-step counts, ``flush()`` on some ranks or with different pending
-micro-steps) raise one RuntimeError on every rank before the window is applied; a rank that
-never arrives, the group's timeout. Cost per update: one small collective (weighted in
-micro-steps: the item sum carries the check; unweighted: one check, run at the forward of a
-closing micro-step DDP/FSDP2 syncs, before its buckets; in items: the per-micro-step sums,
-plus one at ``flush()``); ``scaler.step``: one per micro-step (the inf/NaN flag, a host sync).
-With ``reduce_every_micro_step=True`` a rank flushing alone meets the timeout.
-
-The module's own sync setting (read when the wrapper is built; FSDP2's taken as on) comes back
-at :meth:`GradSync.release` (``flush()``, ``discard()``) and when the wrapper is dropped
-(``weakref.finalize``): the next window's first micro-step is then synced by DDP/FSDP2 itself
-(one extra sync per release, exact: sums commute).
-
-``torch.distributed.fsdp`` is imported only once the user's program imported it: cheap import.
-"""
+Inside a window only the closing pass syncs gradients (or accumopt all-reduces the window once at
+the boundary). Each per-rank decision that changes the window is first agreed by an all-gather of
+3 float64 per rank on accumopt's own gloo group (two values and the *position*: what, at which
+micro-step): ranks at different positions raise one RuntimeError on every rank."""
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from accumopt import _fsdp_pending, _grads, _refusals
-from accumopt._window import Window
-from accumopt._window_buffer import WindowBuffer
+from accumopt import _grads
+from accumopt._buffer import WindowBuffer
+from accumopt._counting import distributed
+from accumopt._state import Phase, Rules, State
+
+_Items = float | Tensor | None
+
+# Positions in the window, stamped on every small collective
+_ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _OTHER = range(6)
+_WHERE = (
+    "counting micro-step {m} of a window in items",
+    "closing a window at micro-step {m}",
+    "flush() with {m} micro-step(s) pending",
+    "at the forward of the micro-step after {m}, which closes the window",
+    "scaler.step after micro-step {m}",
+    "agreeing on {what}",
+)
+_TOGETHER = "Run the same micro-steps per window and flush() on every rank together"
+_DTENSOR = "torch.distributed.tensor"
+_SIDE: dict[tuple[int, ...], tuple[object, Any]] = {}  # ranks -> (world group, agreement group)
+
+
+def _imported(module: str, name: str) -> Any:
+    """The class ``module.name``, or ``()`` (nothing is one) if nobody imported ``module``."""
+    found = sys.modules.get(module)
+    return () if found is None else getattr(found, name)
 
 
 def _is_fsdp(module: nn.Module | None) -> bool:
-    if module is None or "torch.distributed.fsdp" not in sys.modules:
-        return False  # nobody imported FSDP2, so no module is one
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+    return isinstance(module, _imported("torch.distributed.fsdp", "FSDPModule"))
 
 
 def is_distributed(module: nn.Module | None) -> bool:
     """Whether ``module`` synchronises gradients across ranks (DDP, or an FSDP2 root)."""
     return isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module)
-
-
-# Positions in the window, stamped on every small collective (see the module docstring)
-_ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _FAILED, _ROWS = range(7)
-_SIDE: dict[tuple[int, ...], tuple[object, Any]] = {}  # ranks -> (world group, agreement group)
 
 
 def _agreement_group(group: Any) -> Any:
@@ -80,273 +73,209 @@ def _agreement_group(group: Any) -> Any:
     return side
 
 
-def _restore(module: nn.Module, fsdp: bool, own: bool, hook: Any) -> None:
-    """Give ``module`` its own sync setting back; remove accumopt's forward pre-hook."""
-    hook.remove()
-    if fsdp:
-        module.set_requires_gradient_sync(own)  # type: ignore[operator]
-    else:
-        setattr(module, "require_backward_grad_sync", own)  # noqa: B010
-
-
-def _before_forward(ref: weakref.ref[GradSync]) -> Any:
-    def hook(module: nn.Module, args: Any) -> None:
-        sync = ref()  # a weak reference: the module must not keep a dropped wrapper's sync
-        if sync is not None:
-            sync.before_forward()
-
-    return hook
-
-
 class LocalSync:
     """The single-process stand-in for :class:`GradSync`: one rank, no collective."""
 
-    fsdp, rank, world_size = False, 0, 1
+    fsdp, rank, world_size, module = False, 0, 1, None
+    synced = False  #: a process group exists: a DDP model not given to the wrapper syncs
 
     def _nothing(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to synchronise, sum, give back or adjust in one process."""
 
-    plan_next = settle_items = release = restored = _nothing
+    plan = settle = release = restored = remove = drop_pending = _nothing
 
     def check_weighted(self) -> None:
-        """Items are this process's own: refused where several ranks train, with no DDP/FSDP2
-        model to sum their items through."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(_refusals.items_without_model(dist.get_world_size()))
+        """Refuse items under several ranks without a DDP/FSDP2 model to sum them through."""
+        if distributed() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"Accumulate: items under a process group of {dist.get_world_size()} ranks, "
+                "but the wrapper has no DDP/FSDP2 model to sum them over the ranks. Call "
+                "opt.set_model(ddp_model) (or pass model=) first; nothing was changed."
+            )
 
-    def grad_writes(self, micro_steps: int) -> int:
-        """In-place writes into ``.grad`` besides accumulation (a DDP model not given)."""
-        return micro_steps if dist.is_available() and dist.is_initialized() else 0
-
-    def counted(self, items: float | None, window: Window) -> float | None:
+    def counted(self, items: _Items, state: State, rules: Rules) -> _Items:
         """The item count of a micro-step is this process's own."""
         return items
 
-    def agreed_found_inf(self, scaler: object, opt: object, found_inf: Tensor) -> Tensor:
-        """One process: its own inf/NaN flag."""
-        return found_inf
+    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
+        """Form the window's gradient in ``.grad``."""
+        buffer.close(params, divisor)
 
-    def close(
-        self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None, grads: Any
-    ) -> None:
-        """Form the window's gradient in ``.grad`` (``grads``: see ``WindowBuffer.close``)."""
-        buffer.close(params, divisor, grads)
+    def sum_over_ranks(self, a: float, b: float, what: str) -> tuple[float, float]:
+        """One rank: the values themselves."""
+        return a, b
 
 
-def sync_for(
-    model: nn.Module | None, device: torch.device, reduce_every_micro_step: bool
-) -> GradSync | LocalSync:
+def sync_for(model: nn.Module | None, device: torch.device, every_step: bool) -> Any:
     """A :class:`GradSync` for a DDP/FSDP2 model, else a :class:`LocalSync`."""
-    if is_distributed(model):
-        assert model is not None
-        return GradSync(model, device, reduce_every_micro_step)
-    return LocalSync()
+    return GradSync(model, device, every_step) if is_distributed(model) else LocalSync()
 
 
 class GradSync:
-    """A DDP or FSDP2 model's gradient synchronisation, and every collective accumopt issues.
+    """The gradient sync of ``module`` (DDP, or an FSDP2 root; every micro-step with ``every_step``)
+    and every collective accumopt issues (tensors on ``device``): ``all_reduces`` counts those
+    with data; ``synced``: whether DDP/FSDP2 synchronised the last counted pass."""
 
-    Args:
-        module: a DDP model, or the root of a ``fully_shard``-ed (FSDP2) model.
-        device: where the gradient collectives' tensors live (the wrapped parameters' device).
-        reduce_every_micro_step: synchronise every micro-step, not only the closing one.
-
-    Attributes:
-        fsdp (bool): ``module`` is FSDP2 (sharded gradients: only its reduce-scatter combines).
-        rank, world_size (int): this process's rank in the process group, and its ranks.
-        all_reduces (int): accumopt's own collectives that carry data (item sums, gradient
-            sums, inf/NaN flags, the runner's agreements); not DDP's or FSDP2's.
-        checks (int): small collectives that only check that the ranks agree on the window.
-        synced (bool): whether DDP/FSDP2 synchronised the last counted backward pass.
-
-    Raises:
-        TypeError: ``module`` is neither.
-    """
-
-    def __init__(
-        self, module: nn.Module, device: torch.device, reduce_every_micro_step: bool = False
-    ) -> None:
+    def __init__(self, module: Any, device: torch.device, every_step: bool = False) -> None:
         self.fsdp = _is_fsdp(module)
-        if not is_distributed(module):
-            raise TypeError(
-                f"Accumulate: model is a {type(module).__qualname__}; expected the DDP model (or "
-                "the fully_shard-ed FSDP2 root) whose parameters the inner optimizer holds."
-            )
-        self.module = module
-        self.device = device
-        self.reduce_every_micro_step = reduce_every_micro_step
-        self.group: dist.ProcessGroup | None = (
-            None if self.fsdp else module.process_group  # type: ignore[assignment]
-        )
+        self.module, self.device, self.every_step = module, device, every_step
+        self.group = None if self.fsdp else module.process_group
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.side = _agreement_group(self.group)
-        self.all_reduces, self.checks, self.synced = 0, 0, False
+        self.all_reduces, self.synced = 0, False
         self._enabled = True  # FSDP2's default (it has no public getter)
         own = self._own = self._enabled if self.fsdp else bool(module.require_backward_grad_sync)
-        self._released = False  # the module's own setting is in force until a micro-step
-        self._planned = own  # the sync setting plan_next chose for the next pass
-        self._window: Window | None = None
+        self._planned = own
+        # the module's own setting holds until a micro-step (DDP's static_graph: the first one)
+        self._released = bool(getattr(module, "static_graph", False)) and own
+        self._bound: tuple[State, Rules, Callable[[], bool]] | None = None
         self._closing_planned = self._checked_before = self._closing_checked = False
-        hook = module.register_forward_pre_hook(_before_forward(weakref.ref(self)), prepend=True)
-        # restores the setting when the wrapper (its only owner) is dropped; no reference to self
+        ref = weakref.ref(self)
+
+        def before_forward(module: nn.Module, args: Any) -> None:
+            sync = ref()  # weakly: the module must not keep a dropped wrapper's sync
+            if sync is not None:
+                sync.before_forward()
+
+        hook = module.register_forward_pre_hook(before_forward, prepend=True)
         self._finalizer = weakref.finalize(self, _restore, module, self.fsdp, own, hook)
         self._finalizer.atexit = False
 
-    def check_fsdp(self, every: object, scaler: object, buffer_all: bool) -> None:
-        """FSDP2 gradients are sharded: only FSDP2's own reduce-scatter can combine them."""
+    def remove(self) -> None:
+        """Give the module its own sync setting back and remove accumopt's hook."""
+        self._finalizer()
+
+    def _set(self, enabled: bool) -> None:
         if not self.fsdp:
-            return
-        problem = None
-        if every is None and not self.reduce_every_micro_step:
-            problem = "every_items without reduce_every_micro_step=True (the boundary is not "
-            problem += "known before the closing micro-step's backward)"
-        elif scaler is not None:
-            problem = "a GradScaler"
-        elif buffer_all:
-            problem = "the window buffer (buffer=True or a per-micro-batch nonfinite policy)"
-        if problem is not None:
-            raise ValueError(
-                f"Accumulate: an FSDP2 model with {problem} is not supported; expected "
-                "every=N (or reduce_every_micro_step=True), no scaler and buffer=None."
-            )
+            self.module.require_backward_grad_sync = enabled
+        elif enabled != self._enabled:
+            self.module.set_requires_gradient_sync(enabled)
+            self._enabled = enabled
 
-    @property
-    def enabled(self) -> bool:
-        """Whether the next (or the running) backward pass synchronises gradients."""
-        if self.fsdp:
-            return self._enabled
-        return bool(self.module.require_backward_grad_sync)
-
-    def set_sync(self, enabled: bool) -> None:
-        """Let (True) or stop (False) the next backward pass's gradient sync."""
-        if self.fsdp:
-            if enabled != self._enabled:
-                self.module.set_requires_gradient_sync(enabled)  # type: ignore[operator]
-                self._enabled = enabled
-        else:
-            setattr(self.module, "require_backward_grad_sync", enabled)  # noqa: B010
-
-    def plan_next(
-        self, window: Window, buffer: WindowBuffer, param_groups: list[dict[str, Any]]
-    ) -> None:
-        """Sync the next backward pass only if it closes the window and every finished
-        micro-step is in ``.grad`` (else accumopt reduces the window); after :meth:`release`,
-        an empty window keeps the module's own setting."""
-        self._window, self._plan_args = window, (buffer, param_groups)
-        self._checked_before = self._checked_before and window.micro_step > 0
-        self._released = self._released and window.micro_step == 0 and not window.closed
+    def plan(self, state: State, rules: Rules, grad_only: Callable[[], bool]) -> None:
+        """Sync the next pass only if it closes the window and the window is all in ``.grad``
+        (else accumopt reduces it); released, an empty window keeps the module's own setting."""
+        self._bound = (state, rules, grad_only)
+        empty = state.micro_step == 0 and state.phase is not Phase.CLOSED
+        self._checked_before = self._checked_before and state.micro_step > 0
+        self._released = self._released and empty
         self._closing_planned = False
         if self._released:
             self._planned = self._own
-        elif self.reduce_every_micro_step:
+        elif self.every_step:
             self._planned = True
         else:
-            grad_only = buffer.grad_only(_grads.params_of(param_groups))
-            self._closing_planned = grad_only and window.next_closes()
+            self._closing_planned = rules.next_closes(state) and grad_only()
             self._planned = self._closing_planned
-        self.set_sync(self._planned)
+        self._set(self._planned)
 
     def before_forward(self) -> None:
-        """Before each forward: the planned sync setting again (a ``no_sync()`` exit restores
-        an old one; released: the module's own); the ranks agree before a closing forward. A
-        window schedule that has not answered is asked now, and the pass planned anew."""
-        window = self._window
-        if window is not None and window.size_error is not None and window.answered():
-            self.plan_next(window, *self._plan_args)
-        if not self._released:
-            self.set_sync(self._planned)
-        if window is None or not self._closing_planned or self._checked_before:
+        """Before each forward: the planned sync again (``no_sync()`` may have reset it), and the
+        ranks' agreement before a closing one."""
+        if self._bound is None:
             return
-        if torch.is_grad_enabled() and not window.closed:
+        state, rules, grad_only = self._bound
+        if state.size is None and rules.sized(state) is None:
+            self.plan(state, rules, grad_only)
+        if not self._released:
+            self._set(self._planned)
+        closing = self._closing_planned and not self._checked_before
+        if closing and torch.is_grad_enabled() and state.phase is Phase.OPEN:
             self._checked_before = True
-            self._agree(_BEFORE_CLOSE, window.micro_step, check_only=True)
+            self._agree(_BEFORE_CLOSE, state.micro_step)
 
-    def release(self, window: Window, flushing: bool = False) -> None:
-        """``flush()``/``discard()``: the module's own sync setting until the next micro-step
-        (``flush()`` of an empty window: every rank's is empty; FSDP2: see _fsdp_pending)."""
-        if flushing and window.micro_step == 0:
-            self._agree(_FLUSH, 0, check_only=True)
-        elif self.fsdp and flushing and not (window.closed or self.reduce_every_micro_step):
-            raise RuntimeError(_fsdp_pending.FLUSH_UNSUPPORTED.format(steps=window.micro_step))
-        elif self.fsdp and not flushing:
-            _fsdp_pending.drop_pending(self.module)
+    def release(self, state: State, flushing: bool = False) -> None:
+        """``flush()``/``discard()``: the module's own sync setting until the next micro-step."""
+        if flushing and state.micro_step == 0:
+            self._agree(_FLUSH, 0)
+        elif self.fsdp and flushing and not (state.phase is Phase.CLOSED or self.every_step):
+            raise RuntimeError(
+                f"Accumulate.flush: the open window of {state.micro_step} micro-step(s) was "
+                "accumulated by FSDP2 without a gradient sync, which FSDP2 does only in a synced "
+                "backward pass. Use windows that end with the data, reduce_every_micro_step=True, "
+                "or opt.discard()."
+            )
+        elif not flushing:
+            self.drop_pending()
         self._released, self._closing_planned = True, False
-        self.set_sync(self._own)
+        self._set(self._own)
+
+    def drop_pending(self) -> None:
+        """Drop what FSDP2 holds back of a dropped window (nothing under DDP)."""
+        if self.fsdp:
+            _drop_fsdp_pending(self.module)
 
     def check_weighted(self) -> None:
         """Items are summed over the ranks: always possible."""
 
-    def grad_writes(self, micro_steps: int) -> int:
-        """DDP's reducer copies the all-reduced buckets back after each synced pass."""
-        return micro_steps if self.reduce_every_micro_step else 1
-
-    def counted(self, items: float | None, window: Window) -> float | None:
-        """A micro-step was counted (remember if it was synced): its items over the ranks for
-        a window in items (one small collective), else this rank's own (see settle_items)."""
-        self.synced = self.enabled
+    def counted(self, items: _Items, state: State, rules: Rules) -> _Items:
+        """Count a micro-step: its items over the ranks in a window in items, else its own."""
+        self.synced = self._enabled if self.fsdp else bool(self.module.require_backward_grad_sync)
         self._released = False
         self._closing_checked = self._checked_before and self._closing_planned
         self._checked_before = False
-        if items is None or window.every is not None:
+        if items is None or not rules.in_items:
             return items
-        return self._agree(_ITEMS, window.micro_step + 1, items)[0]
+        return self._agree(_ITEMS, state.micro_step + 1, (cast(float, items), 0.0))[0]
 
-    def restored(self, window: Window, items_global: bool) -> None:
-        """A window was loaded: none of its passes was synced (unless all are); items saved
-        summed over the ranks (formats 1-2) are kept by rank 0 alone, for the boundary's sum."""
-        self.synced = self.reduce_every_micro_step
+    def restored(self, state: State) -> None:
+        """A window was loaded: none of its passes was synced (unless all are)."""
+        self.synced = self.every_step
         self._released = self._checked_before = self._closing_checked = False
-        in_steps = window.weighted and window.every is not None
-        if items_global and in_steps and self.rank != 0:
-            window.items = 0.0
 
-    def agreed_found_inf(self, scaler: object, opt: Any, found_inf: Tensor) -> Tensor:
+    def agreed_found_inf(self, scaler: Any, opt: Any, found_inf: Tensor) -> Tensor:
         """Under ``scaler.step(opt)``: an inf/NaN seen by any rank, on every rank and in the
-        scaler's record (one small collective): the same windows skipped, one loss scale."""
-        states = scaler._per_optimizer_states  # type: ignore[attr-defined]
-        flags: list[Tensor] = list(states[id(opt)]["found_inf_per_device"].values())
-        own = sum(float(f.item()) for f in flags)  # WindowBuffer.inf_flag recorded at least one
-        found = self._agree(_FOUND_INF, opt._window.micro_step, own)[0] > 0
+        scaler's record (the same windows skipped, one loss scale)."""
+        flags = list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+        own = sum(float(f.item()) for f in flags)
+        found = self._agree(_FOUND_INF, opt._state.micro_step, (own, 0.0))[0] > 0
         for flag in flags:
             flag.fill_(float(found))
         return found_inf.new_full((), float(found))
 
-    def settle_items(self, window: Window) -> None:
-        """At the boundary or a ``flush()``: check that every rank closes at this micro-step
-        (summing a weighted window's items in the same collective); not where agreed already
-        (a window in items that filled up, a closing micro-step checked at its forward)."""
-        full, checked = window.full(), self._closing_checked
+    def settle(self, state: State, rules: Rules) -> None:
+        """At the close or ``flush()``: agree that every rank closes here (unless done already),
+        summing a weighted window's items."""
+        full, checked = rules.full(state), self._closing_checked
         self._closing_checked = False
         where = _CLOSE if full else _FLUSH
-        if window.weighted and window.every is not None:
-            window.items = self._agree(where, window.micro_step, window.items)[0]
-        elif not full or not (window.every is None or checked):
-            self._agree(where, window.micro_step, check_only=True)
+        if state.weighted and not rules.in_items:
+            state.items = self._agree(where, state.micro_step, (cast(float, state.items), 0.0))[0]
+        elif not full or not (rules.in_items or checked):
+            self._agree(where, state.micro_step)
+
+    def sum_over_ranks(self, a: float, b: float, what: str) -> tuple[float, float]:
+        """``(a, b)`` summed over the ranks; RuntimeError on every rank if one is elsewhere."""
+        return self._agree(_OTHER, 0, (a, b), what)
 
     def _agree(
-        self, where: int, micro_step: int, a: float = 0.0, b: float = 0.0, check_only: bool = False
+        self, where: int, micro_step: int, values: tuple[float, float] | None = None, what: str = ""
     ) -> tuple[float, float]:
-        """Sum ``(a, b)`` over the ranks in rank order (one all-gather of 3 float64 per rank);
-        RuntimeError on every rank unless all are at this position, or after a timeout."""
-        code = float(micro_step * len(_refusals.WHERE) + where)
+        """Sum ``values`` over the ranks in rank order (one all-gather of 3 float64 per rank;
+        None: only check); RuntimeError on every rank unless all are at this position."""
+        code = float(micro_step * len(_WHERE) + where)
+        a, b = values or (0.0, 0.0)
         mine = torch.tensor([a, b, code], dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, mine, group=self.side)
         except RuntimeError as err:
-            raise RuntimeError(_refusals.not_joined(code, err)) from err
-        if check_only:
-            self.checks += 1
-        else:
+            raise RuntimeError(
+                f"Accumulate: this rank was {_describe(code, what)}; not every rank joined in "
+                f"time ({str(err)[:200]}). {_TOGETHER}."
+            ) from err
+        if values is not None:
             self.all_reduces += 1
         rows = [p.tolist() for p in parts]
         if any(r[2] != code for r in rows):
-            raise RuntimeError(_refusals.ranks_apart([r[2] for r in rows]))
+            seen = "; ".join(f"rank {i}: {_describe(r[2], what)}" for i, r in enumerate(rows))
+            raise RuntimeError(
+                "Accumulate: the ranks are at different points of the accumulation window "
+                f"({seen}); nothing of it was applied. {_TOGETHER}, then opt.discard() everywhere."
+            )
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
-    def close(
-        self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None, _: object
-    ) -> None:
+    def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         """Form the window's gradient over all ranks in ``.grad``, divided by ``divisor``."""
         if self.synced:  # DDP's reducer averaged the window over the ranks already
             buffer.close(params, None if divisor is None else divisor / self.world_size)
@@ -368,14 +297,14 @@ class GradSync:
 
     @torch.no_grad()
     def sum_grads(self, grads: list[Tensor]) -> None:
-        """Sum every dense gradient over the ranks, in place, in one flattened all-reduce per
-        (device, dtype). All ranks must pass gradients of the same shapes in the same order."""
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in grads:
-            if g.is_sparse:
-                raise RuntimeError(_refusals.SPARSE_ACROSS_RANKS)
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for tensors in groups.values():
+        """Sum dense gradients of the same shapes and order on every rank over the ranks, in place
+        (one flattened all-reduce per device and dtype)."""
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError(
+                "Accumulate: sparse gradients cannot be summed across ranks by accumopt. Use "
+                "dense gradients under DistributedDataParallel."
+            )
+        for tensors in _grads.by_kind(grads).values():
             flat = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
             dist.all_reduce(flat, group=self.group)
             self.all_reduces += 1
@@ -383,18 +312,53 @@ class GradSync:
             for g, reduced in zip(tensors, pieces):
                 g.copy_(reduced)
 
-    def failed_ranks(self, failed: bool) -> float:
-        """How many ranks report a failed micro-batch (one all-reduce): all ranks then drop
-        or all count it, so nobody waits in a collective another rank never reaches."""
-        return self._agree(_FAILED, 0, float(failed))[0]
 
-    def check_same_rows(self, rows: int, api: str) -> None:
-        """Refuse batches whose row counts differ across ranks (one small collective): the
-        ranks must cut them the same way, or their collectives would not pair up."""
-        total, squares = self._agree(_ROWS, 0, float(rows), float(rows * rows))
-        if squares * self.world_size != total * total:  # equal on every rank
-            raise ValueError(
-                f"{api}: this rank's batch has {rows} rows, the ranks' batches {total:g} "
-                "together; expected the same number of rows on every rank with "
-                "micro_batch_size='auto' under torch.distributed (all ranks back off together)."
-            )
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's local shard of a DTensor (FSDP2), or ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, _imported(_DTENSOR, "DTensor")) else tensor
+
+
+def shard_like(tensor: Tensor, param: Tensor) -> Tensor:
+    """A saved gradient (a local shard) copied as ``param`` holds one (device; DTensor layout)."""
+    dtensor = _imported(_DTENSOR, "DTensor")
+    if not isinstance(param, dtensor):
+        return tensor.to(device=param.device, copy=True)
+    local = tensor.to(device=param.to_local().device, copy=True)
+    shape, stride = param.shape, param.stride()
+    shard: Tensor = dtensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
+    )
+    return shard
+
+
+def _describe(code: float, what: str) -> str:
+    return _WHERE[int(code) % len(_WHERE)].format(m=int(code) // len(_WHERE), what=what)
+
+
+def _restore(module: Any, fsdp: bool, own: bool, hook: Any) -> None:
+    """Give ``module`` its own sync setting back; remove accumopt's forward pre-hook."""
+    hook.remove()
+    if fsdp:
+        module.set_requires_gradient_sync(own)
+    else:
+        module.require_backward_grad_sync = own
+
+
+def _drop_fsdp_pending(module: nn.Module) -> None:
+    """Drop the unsharded gradients FSDP2 holds back inside a window (``opt.discard()``), or
+    they would be reduced into the next one (private API: ``tests/test_torch_private_api.py``)."""
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None

@@ -1,94 +1,41 @@
-"""The gradient noise scale, online, from gradients an accumulation window already holds.
+"""The gradient noise scale, online, from the gradients an accumulation window already holds.
 
-McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"
-(arXiv:1812.06162), App. A.1: the *simple noise scale* ``B_simple = tr(Σ) / |G|²`` (``G`` the
-true gradient, ``Σ`` the per-item gradient covariance) predicts the critical batch size. With
-``B`` i.i.d. items, ``E|G_B|² = |G|² + tr(Σ)/B``, so the squared norms of two gradients of the
-same weights at two batch sizes ``B_small < B_big`` give unbiased estimates of both parts::
-
-    |G|²  ≈ (B_big |G_big|² - B_small |G_small|²) / (B_big - B_small)
-    tr(Σ) ≈ (|G_small|² - |G_big|²) / (1/B_small - 1/B_big)
-
-A window holds both for free: ``G_small`` is the gradient of its **first micro-step**, read in
-``.grad`` at the end of that backward pass (before the second one adds into it), and ``G_big``
-is the window's gradient at the boundary. Under DDP ``G_small`` is each rank's own first
-micro-step (unsynchronised), averaged over the ranks with one 3-element all-reduce per update,
-and ``G_big`` the all-reduced window. ``B`` is in items for weighted windows
-(``opt.backward(loss_sum, items=n)``) and in micro-batches (over all ranks) for plain
-``loss.backward()`` of mean losses: multiply by your micro-batch size to get samples.
-
-Each part is smoothed separately with an exponential moving average (bias-corrected, so its
-first values are not pulled toward 0), and the noise scale is the ratio of the two averages,
-as in the paper. Cost: two squared-norm passes over the gradients per measured window (one at
-the first micro-step, one at the boundary; ``accumopt._squares``), no host sync inside the
-window: a window's norms are read (one ``tolist``) when the next window closes, or when a
-value is asked for.
-
-Assumptions and known bias:
-
-- The items of a window are i.i.d. draws and the weights do not move within it (one update).
-  Items correlated within a micro-batch (one sequence's tokens) make ``tr(Σ)`` per token too
-  small; sampling a small dataset without replacement shrinks both (finite population).
-- The ratio of two unbiased averages is biased (``E[a]/E[b] != E[a/b]``); the ratio of the
-  averages (not the average of per-window ratios, which explodes when one ``|G|²`` is near 0)
-  keeps it small over enough windows, which mix recent weights (``decay``).
-- A window of one micro-step has one batch size only and adds nothing (except under DDP with
-  accumopt's own boundary all-reduce, where each rank's share is the small batch). A first
-  micro-step DDP synchronised itself (``every=1``) adds nothing either.
+McCandlish et al. 2018 (arXiv:1812.06162, App. A.1): the *simple noise scale* ``B_simple =
+tr(Σ)/|G|²`` (``G`` the true gradient, ``Σ`` the per-item covariance) predicts the critical
+batch size. As ``E|G_B|² = |G|² + tr(Σ)/B`` for ``B`` i.i.d. items, the squared norms of the
+gradients of a window's first micro-step (under DDP each rank's own) and of the whole window
+estimate both parts, each smoothed by a bias-corrected EMA. ``B`` counts items in weighted
+windows, else micro-batches over all ranks; the weights are assumed fixed within a window.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
+import numbers
+import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from accumopt import _grads
-from accumopt._checks import positive_int
-from accumopt._squares import SquaredNorm
-
 if TYPE_CHECKING:
-    from accumopt._window import Window
-    from accumopt._window_buffer import WindowBuffer
-    from accumopt.accumulate import AccumulatingOptimizer
+    from accumopt.accumulate import Accumulate
 
 
 class NoiseScale:
-    """The online estimate of the gradient noise scale ``B_simple = tr(Σ)/|G|²``.
-
-    Build the wrapper with ``noise_scale=True`` (or ``noise_scale=NoiseScale(decay=...)``) and
-    read ``opt.noise_scale.value`` at any time (``float(opt.noise_scale)`` too)::
-
-        opt = Accumulate(torch.optim.AdamW(model.parameters()), every=8, noise_scale=True)
-        ...
-        if opt.did_update:
-            print(opt.noise_scale.value, opt.noise_scale.trace_sigma, opt.noise_scale.grad_sq)
+    """The online estimate of the gradient noise scale ``B_simple = tr(Σ)/|G|²``: build the
+    wrapper with ``noise_scale=True`` (or ``=NoiseScale(...)``) and read ``opt.noise_scale.value``
+    (``float(opt.noise_scale)``: NaN before the first estimate). ValueError for bad arguments.
 
     Args:
-        decay: the EMA decay per measured window, in [0, 1); None: the plain mean over all
-            windows.
-        every_windows: which windows are measured. None (default): one per
-            ``MIN_MICRO_STEPS`` (16) micro-steps counted since the last measured window began
-            (every window of 16 micro-steps or more, one in ``ceil(16 / k)`` of k, the first
-            always); an int >= 1: one window in this many. A measured window costs two
-            squared-norm passes over the gradients (fused on a GPU; on a CPU 0.1-0.2 ms per
-            window on 100 small tensors), an unmeasured one nothing: the default keeps the cost
-            under 1 % per micro-step even on ``bench/``'s cheapest model (2-3 % measuring every
-            window of 4 micro-steps: ``bench/bench_noise_scale.py``). The decay applies per
-            measured window. Under DDP every rank measures the same windows.
-
-    Attributes:
-        windows (int): windows that gave an estimate (property).
-        last (tuple[float, float] | None): the last window's unsmoothed ``(tr(Σ), |G|²)``
-            (property).
-        batch_per_micro_step (float | None): the last window's batch (items, or micro-batches
-            over all ranks) per micro-step.
+        decay: the EMA decay per measured window, in [0, 1); None: the plain mean.
+        every_windows: None (default): a window is measured once ``MIN_MICRO_STEPS`` (16)
+            micro-steps were counted since the last measured one began (the first window
+            always), which keeps the cost under 1 %; an int >= 1: one window in this many.
     """
 
-    MIN_MICRO_STEPS = 16  # every_windows=None: micro-steps from one measured window to the next
+    MIN_MICRO_STEPS = 16
 
     def __init__(self, decay: float | None = 0.95, every_windows: int | None = None) -> None:
         if decay is not None and not (isinstance(decay, float | int) and 0 <= decay < 1):
@@ -96,32 +43,24 @@ class NoiseScale:
                 f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
                 "window (e.g. 0.95), or None for the plain mean over all windows."
             )
-        if every_windows is not None and not positive_int(every_windows):
+        whole = isinstance(every_windows, numbers.Integral) and type(every_windows) is not bool
+        if every_windows is not None and not (whole and every_windows >= 1):
             raise ValueError(
-                f"NoiseScale: every_windows={every_windows!r} is not an int >= 1 or None; "
-                "expected how many windows make one measured window (1: every window), or None "
-                f"(one window per {self.MIN_MICRO_STEPS} micro-steps at most)."
+                f"NoiseScale: every_windows={every_windows!r} is not an int >= 1; expected how "
+                "many windows make one measured window (1: every window), or None."
             )
         self.decay, self.every_windows = decay, every_windows
-        self._seen = 0  # windows closed so far: window i is measured when i % every_windows == 0
-        self._since = self.MIN_MICRO_STEPS  # None: micro-steps since the last measured began
+        self._seen = 0  # windows closed so far
+        self._since = self.MIN_MICRO_STEPS  # micro-steps since the last measured window began
         self._windows = 0
         self._last: tuple[float, float] | None = None
-        self._per_step: float | None = None  # batch_per_micro_step
-        self._sums = [0.0, 0.0, 0.0]  # weighted sums of tr(Σ), |G|², and of the weights
-        self._small: tuple[Tensor, float] | None = None  # B_small² |G_small|², B_small
-        # the open window is measured and its first micro-step was this rank's own (not
-        # synchronised by DDP): the same on every rank, unlike _small (a rank with no items)
-        self._first = False
-        # a closed window, unread: ((squared norms, CUDA event), host factors to |G_small|²,
-        # 1/B_small, |G_big|² (None: DDP's four all-reduced values), 1/B_big, B per micro-step)
-        self._pending: (
-            tuple[tuple[Tensor, Any], tuple[float, float, float] | None, float, float] | None
-        ) = None
-        self._squares = SquaredNorm()  # sum |g|², planned for the model's gradients
-        self._opt: weakref.ref[AccumulatingOptimizer] | None = None
-
-    # ------------------------------------------------------------------ reading
+        self._per_step: float | None = None
+        self._sums = [0.0, 0.0, 0.0]  # decayed sums of tr(Σ), |G|² and of the weights
+        self._small: tuple[Tensor, float] | None = None  # |G_small|² (a tensor), B_small
+        self._first = False  # the open window is measured and its first pass was unsynced
+        # the closed window's norms on their way to the host, CUDA event, 1/B_big, B per step
+        self._pending: tuple[Tensor, Any, float, float] | None = None
+        self._squares = SquaredNorm()
 
     @property
     def windows(self) -> int:
@@ -131,7 +70,7 @@ class NoiseScale:
 
     @property
     def last(self) -> tuple[float, float] | None:
-        """The last window's unsmoothed ``(tr(Σ), |G|²)`` (None before the first estimate)."""
+        """The last window's unsmoothed ``(tr(Σ), |G|²)``; None before the first estimate."""
         self._read()
         return self._last
 
@@ -143,20 +82,19 @@ class NoiseScale:
 
     @property
     def trace_sigma(self) -> float | None:
-        """The smoothed ``tr(Σ)`` (per item; None before the first estimate)."""
+        """The smoothed ``tr(Σ)`` (per item); None before the first estimate."""
         self._read()
         return self._sums[0] / self._sums[2] if self._sums[2] else None
 
     @property
     def grad_sq(self) -> float | None:
-        """The smoothed ``|G|²`` (None before the first estimate)."""
+        """The smoothed ``|G|²``; None before the first estimate."""
         self._read()
         return self._sums[1] / self._sums[2] if self._sums[2] else None
 
     @property
     def value(self) -> float | None:
-        """``B_simple = tr(Σ)/|G|²`` from the smoothed parts: None before the first estimate,
-        ``inf`` while the smoothed ``|G|²`` is <= 0 (noise dominates)."""
+        """``B_simple``; None before the first estimate, ``inf`` while ``grad_sq`` <= 0."""
         trace, grad = self.trace_sigma, self.grad_sq
         if trace is None or grad is None:
             return None
@@ -176,170 +114,196 @@ class NoiseScale:
         """Fold the closed window's norms into the averages (one host sync)."""
         if self._pending is None:
             return
-        (values, done), factors, inv_big, per_step = self._pending
-        self._pending = None
+        (values, done, inv_big, per_step), self._pending = self._pending, None
         if done is not None:
             done.synchronize()
-        if factors is None:  # DDP: the ranks' small-batch parts summed, and |G_big|²
-            small_sum, inv_small_sum, ranks, big = values.tolist()
-            if ranks <= 0:
-                return
-            small, inv_small = small_sum / ranks, inv_small_sum / ranks
-        else:
-            (small_sq, big_sq), (small_factor, inv_small, big_factor) = values.tolist(), factors
-            small, big = small_sq * small_factor, big_sq * big_factor
+        small_sum, inv_small_sum, ranks, big = values.tolist()
+        if ranks <= 0:
+            return
+        small, inv_small = small_sum / ranks, inv_small_sum / ranks
         gap = inv_small - inv_big
         if not (gap > 0 and math.isfinite(small) and math.isfinite(big)):
             return  # one batch size only, or an inf/NaN (a window AMP skips)
+        # the paper's unbiased estimates, in 1/B: tr(Σ) = (small - big) / (1/B_small - 1/B_big)
         trace, grad = (small - big) / gap, (big * inv_small - small * inv_big) / gap
         beta = 1.0 if self.decay is None else self.decay
-        sums = self._sums
-        self._sums = [beta * sums[0] + trace, beta * sums[1] + grad, beta * sums[2] + 1.0]
+        self._sums = [beta * s + x for s, x in zip(self._sums, (trace, grad, 1.0))]
         self._windows += 1
         self._last, self._per_step = (trace, grad), per_step
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
-        """The averages (plain floats; the last window folded in)."""
+        """The averages and the measuring position, as plain numbers."""
         self._read()
         return {
             "decay": self.decay,
-            "windows": self.windows,
+            "windows": self._windows,
             "sums": list(self._sums),
-            "last": self.last,
-            "batch_per_micro_step": self.batch_per_micro_step,
+            "last": self._last,
+            "batch_per_micro_step": self._per_step,
             "every_windows": self.every_windows,
             "seen": self._seen,
             "since": self._since,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the averages of :meth:`state_dict` (:meth:`read_state`'s ValueError)."""
+        """Resume :meth:`state_dict` (ValueError as :meth:`read_state`, nothing changed)."""
         self.__dict__.update(self.read_state(state))
 
     def read_state(self, state: Any) -> dict[str, Any]:
-        """The attributes :meth:`load_state_dict` sets from ``state``; ValueError where a field
-        is missing or of the wrong type."""
+        """The attributes :meth:`load_state_dict` sets from ``state``; ValueError if damaged."""
         try:
-            every, last, sums = state.get("every_windows"), state["last"], state["sums"]
-            parsed = {
-                "decay": state["decay"] if state["decay"] is None else float(state["decay"]),
-                "_windows": int(state["windows"]),
-                "_sums": [float(sums[0]), float(sums[1]), float(sums[2])],
-                "_last": None if last is None else (float(last[0]), float(last[1])),
-                "_per_step": state["batch_per_micro_step"],
-                "every_windows": None if every is None else int(every),
-                "_seen": int(state.get("seen", 0)),
-                "_since": int(state.get("since", self.MIN_MICRO_STEPS)),
-                "_pending": None,
-                "_small": None,
-                "_first": False,
-            }
-            decay, per_step = parsed["decay"], parsed["_per_step"]
-            in_range = {
-                "decay": decay is None or 0 <= decay < 1,
-                "windows, seen, since": min(parsed["_windows"], parsed["_seen"], parsed["_since"])
-                >= 0,
-                "every_windows": every is None or parsed["every_windows"] >= 1,
-                "batch_per_micro_step": per_step is None
-                or (isinstance(per_step, float | int) and math.isfinite(per_step) and per_step > 0),
-            }
-            bad = [name for name, ok in in_range.items() if not ok]
-            if bad:
-                raise ValueError(f"{', '.join(bad)} out of range")
+            fresh = NoiseScale(state["decay"], state.get("every_windows"))  # checks both
+            fresh._windows, fresh._seen = int(state["windows"]), int(state.get("seen", 0))
+            fresh._since = int(state.get("since", NoiseScale.MIN_MICRO_STEPS))
+            sums = state["sums"]
+            fresh._sums = [float(sums[0]), float(sums[1]), float(sums[2])]
+            last, fresh._per_step = state["last"], state["batch_per_micro_step"]
+            fresh._last = None if last is None else (float(last[0]), float(last[1]))
+            per_step = 1.0 if fresh._per_step is None else fresh._per_step
+            if min(fresh._windows, fresh._seen, fresh._since) < 0 or not (
+                isinstance(per_step, float | int) and math.isfinite(per_step) and per_step > 0
+            ):
+                raise ValueError("windows, seen, since or batch_per_micro_step out of range")
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 f"NoiseScale.load_state_dict: a damaged state ({type(err).__name__}: {err}); "
                 "expected the dict of state_dict(). Nothing was changed."
             ) from None
-        return parsed
+        return {k: v for k, v in fresh.__dict__.items() if k != "_squares"}
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:  # a copy starts without the open window's norm
         self._read()
-        return {
-            **self.__dict__,
-            "_opt": None,
-            "_small": None,
-            "_first": False,
-            "_squares": SquaredNorm(),
-        }
+        return {**self.__dict__, "_small": None, "_first": False}
 
-    # ------------------------------------------------------------------ the window's hooks
-
-    def _first_micro_step(self, items: float | None, synced: bool) -> None:
-        """The window's first micro-step is in ``.grad``: keep its squared norm (a tensor)."""
-        self._small, self._first = None, False
-        opt = self._opt() if self._opt is not None else None
-        if opt is None or not self._measures() or synced:
-            return
-        self._first = True
-        if items is not None and items <= 0:
-            return
-        grads = _grads.grads_of(opt._window_params())
-        if grads:
-            n = 1.0 if items is None else float(items)
-            self._small = (self._squares(grads, opt._buffer.loss_scale()), n)
+    def attach(self, opt: Accumulate) -> None:
+        """Measure ``opt``'s windows from now on (through its hooks); ValueError where ``opt`` has
+        ``reduce_every_micro_step=True`` (no rank has a first micro-step of its own)."""
+        if opt.reduce_every_micro_step:
+            raise ValueError(
+                "Accumulate: noise_scale with reduce_every_micro_step=True is not supported; "
+                "expected one sync per update (the estimate needs each rank's own gradient of "
+                "a window's first micro-step)."
+            )
+        opt.register_micro_step_hook(self._micro_step)
+        opt.register_window_hook(self._window_closed)
 
     def _measures(self) -> bool:
-        """Whether the window now open is measured (the same answer all window long)."""
+        """Whether the open window is measured (the same answer all window long)."""
         if self.every_windows is None:
             return self._since >= self.MIN_MICRO_STEPS
         return self._seen % self.every_windows == 0
 
-    def _window_closed(
-        self,
-        sync: Any,
-        window: Window,
-        buffer: WindowBuffer,
-        params: list[Tensor],
-        held: list[Tensor] | None,
-    ) -> None:
-        """The window's gradient is in ``.grad`` (``held``: its tensors, or None to read them):
-        keep both squared norms (no host sync), read the previous window's."""
+    def _micro_step(self, opt: Accumulate, items: float | None, synced: bool) -> None:
+        """At a window's first micro-step (its gradient in ``.grad``): keep its squared norm."""
+        if opt.micro_step != 1:
+            return
+        self._small, self._first = None, self._measures() and not synced
+        if self._first and (items is None or items > 0):
+            small = self._squared_norm(opt)
+            if small is not None:
+                self._small = (small, 1.0 if items is None else items)
+
+    def _squared_norm(self, opt: Accumulate) -> Tensor | None:
+        """``|.grad|²`` of ``opt``'s parameters (AMP's loss scale divided out); None if none."""
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        scaler = opt.scaler
+        scale = scaler._get_scale_async() if scaler is not None and scaler.is_enabled() else None
+        return self._squares(grads, scale) if grads else None
+
+    def _window_closed(self, opt: Accumulate) -> None:
+        """The window's gradient is in ``.grad``: start its norms' way to the host (one DDP
+        all-reduce of [sum over ranks of |G_small|²/B_small² and of 1/B_small, ranks, |G_big|²])."""
         self._read()
         small, first, self._small, self._first = self._small, self._first, None, False
-        world = int(getattr(sync, "world_size", 1))
-        # measured where there is a first micro-step to estimate from: in one process its
-        # norm; under DDP one of each rank's own, alike on every rank (a window whose first
-        # micro-step DDP synchronised, after a flush, or one resumed inside: not measured,
-        # and the next one is due)
+        world, micro_steps = opt.world_size, opt.micro_step
+        # under DDP: where every rank had a first pass of its own (a rank may have no items)
         measured = self._measures() and (small is not None if world == 1 else first)
         self._seen += 1
-        self._since = window.micro_step if measured else self._since + window.micro_step
+        self._since = micro_steps if measured else self._since + micro_steps
         if not measured:
             return
-        big_batch = window.items if window.weighted else float(window.micro_step * world)
-        grads = _grads.grads_of(params) if held is None else held
-        if big_batch <= 0 or not grads:
+        big_batch = opt.items if opt.weighted else float(micro_steps * world)
+        big = self._squared_norm(opt) if big_batch > 0 else None
+        if big is None:
             return
-        big = self._squares(grads, buffer.loss_scale())
-        # .grad holds the sum for reduction="sum": the mean is / big_batch
-        big_factor = 1.0 / (big_batch * big_batch) if window.reduction == "sum" else 1.0
-        inv_big, per_step = 1.0 / big_batch, big_batch / window.micro_step
-        if small is not None and world == 1:
-            values = torch.stack([small[0].to(big), big])
-            factors = (1.0 / (small[1] * small[1]), 1.0 / small[1], big_factor)
-            self._pending = (_to_host(values), factors, inv_big, per_step)
-            return
+        if opt.reduction == "sum":  # .grad holds the sum: the mean is / big_batch
+            big = big / (big_batch * big_batch)
         if small is None:  # this rank has no small batch: it counts as 0 ranks
-            part, inv_small, count = torch.zeros_like(big), 0.0, 0.0
+            part, inv_small, ranks = torch.zeros_like(big), 0.0, 0.0
         else:
-            part, inv_small, count = small[0].to(big) / (small[1] * small[1]), 1.0 / small[1], 1.0
-        rest = torch.tensor([inv_small, count], dtype=big.dtype, device=big.device)
-        # the ranks' small-batch parts summed (big: the same on every rank), one all-reduce
-        packed = torch.cat([part.reshape(1), rest, (big * (big_factor / world)).reshape(1)])
-        sync.sum_grads([packed])
-        self._pending = (_to_host(packed), None, inv_big, per_step)
+            part, inv_small, ranks = small[0].to(big) / (small[1] * small[1]), 1 / small[1], 1.0
+        full = torch.full_like  # no host-to-device copy (it would wait for the device)
+        packed = torch.stack([part, full(big, inv_small), full(big, ranks), big / world])
+        opt.all_reduce_([packed])  # big is the same on every rank: its mean
+        done = None
+        if packed.is_cuda:  # into pinned memory, not waited for
+            packed = packed.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        self._pending = (packed, done, 1.0 / big_batch, big_batch / micro_steps)
 
 
-def _to_host(packed: Tensor) -> tuple[Tensor, Any]:
-    """Start copying ``packed`` to the host without waiting for it (CUDA: pinned memory and
-    an event, waited for when the values are read, a window later)."""
-    if packed.device.type != "cuda":
-        return packed, None
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    done.record()
-    return host, done
+class SquaredNorm:
+    """``sum |g|²`` over a non-empty list of gradients (dense or sparse, any shapes, dtypes and
+    devices) divided by ``loss_scale²`` (AMP's scale, a 0-dim tensor, or None): a 0-dim tensor
+    on the first gradient's device, float64 if a gradient is, else float32; no host sync;
+    RuntimeError for a complex gradient. Small dense CPU gradients are stacked by shape and
+    dotted (a norm per tensor costs about 1.5 us on a CPU), the others take
+    ``torch._foreach_norm``; the grouping is planned per gradient count: one instance per model.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[int, list[Callable[[list[Tensor]], Any]] | None] = {}
+
+    def __call__(self, grads: list[Tensor], loss_scale: Tensor | None = None) -> Tensor:
+        count = len(grads)
+        if count not in self._plans:
+            self._plans[count] = _plan(grads)
+        plan = self._plans[count]
+        if plan is None:
+            flat = _norms(grads)
+        else:
+            try:
+                flat = torch.cat([torch.stack(pick(grads)).view(-1) for pick in plan])
+            except RuntimeError:  # a gradient changed shape, layout or device: plan again
+                del self._plans[count]
+                return self(grads, loss_scale)
+            if flat.numel() > _STACKED:  # grown: plan again next time
+                del self._plans[count]
+        if flat.is_complex():
+            raise RuntimeError(f"SquaredNorm: a {flat.dtype} gradient; expected real gradients.")
+        flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        sq = torch.dot(flat, flat)
+        if loss_scale is not None:
+            sq = sq / loss_scale.to(device=sq.device, dtype=sq.dtype).square()
+        return sq
+
+
+_STACKED = 2**20  # at most this many elements stacked (4 MiB in float32), 2**14 per tensor
+
+
+def _plan(grads: list[Tensor]) -> list[Callable[[list[Tensor]], Any]] | None:
+    """A picker of the gradients of each shape, or None for the norms (large, sparse, not CPU)."""
+    if sum(map(Tensor.numel, grads)) > min(_STACKED, 2**14 * len(grads)):
+        return None
+    if not all(g.is_cpu and g.layout == torch.strided for g in grads):
+        return None
+    shapes: dict[torch.Size, list[int]] = {}
+    for i, g in enumerate(grads):
+        shapes.setdefault(g.shape, []).append(i)
+    # itemgetter of one index returns the item itself: a one-item slice returns a list
+    return [
+        operator.itemgetter(*index if len(index) > 1 else [slice(index[0], index[0] + 1)])
+        for index in shapes.values()
+    ]
+
+
+def _norms(grads: list[Tensor]) -> Tensor:
+    """The 2-norms of ``grads`` (sparse: of the values) in one tensor on the first's device."""
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    norms = torch._foreach_norm(dense, 2, dtype=wide)
+    try:
+        return torch.stack(norms)
+    except RuntimeError:  # gradients on several devices
+        return torch.stack([n.to(grads[0].device) for n in norms])

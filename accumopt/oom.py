@@ -1,10 +1,7 @@
-"""Recognise out-of-memory errors, whatever form torch raises them in, and free memory after one.
+"""Recognise out-of-memory errors in any form torch raises them, and free memory after one.
 
-torch raises an allocation failure as ``torch.OutOfMemoryError`` (CUDA's caching allocator,
-recent XPU/MPS builds), but also as a plain ``RuntimeError`` whose text is the only clue: the
-CPU allocator (``DefaultCPUAllocator: can't allocate memory``), cuBLAS and cuDNN workspace
-allocations, and older backends. :func:`is_oom` checks the type first, then the known texts.
-"""
+Besides ``torch.OutOfMemoryError`` (CUDA's caching allocator, recent XPU/MPS builds), torch
+reports allocation failures as ``RuntimeError`` texts (CPU allocator, cuBLAS, cuDNN, MPS)."""
 
 from __future__ import annotations
 
@@ -25,20 +22,9 @@ OOM_MESSAGES = (
 
 
 def is_oom(error: BaseException) -> bool:
-    """Whether ``error``, or an exception it wraps, is an out-of-memory error that a smaller
-    micro-batch may avoid.
-
-    Each exception of the chain Python prints in a traceback is checked: ``error``, its
-    ``__cause__`` (``raise ... from oom``) and its ``__context__`` (raised while handling
-    ``oom``; not followed after ``raise ... from None``), and theirs in turn; a cycle in the
-    chain is walked once.
-
-    Args:
-        error: any exception.
-
-    Returns:
-        True when an exception of the chain is a ``torch.OutOfMemoryError`` (any text) or a
-        ``RuntimeError`` whose message contains one of :data:`OOM_MESSAGES`.
+    """Whether ``error``, or an exception of its chain as Python prints it (``__cause__``, and
+    ``__context__`` unless ``raise ... from None``), is a ``torch.OutOfMemoryError`` or a
+    ``RuntimeError`` with one of :data:`OOM_MESSAGES`: an error a smaller micro-batch may avoid.
 
     Example:
         >>> is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
@@ -47,13 +33,9 @@ def is_oom(error: BaseException) -> bool:
         True
         >>> is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
         False
-        >>> try:
-        ...     try:
-        ...         raise torch.OutOfMemoryError("CUDA out of memory")
-        ...     except torch.OutOfMemoryError as oom:
-        ...         raise RuntimeError("forward of block 3 failed") from oom
-        ... except RuntimeError as wrapped:
-        ...     is_oom(wrapped)
+        >>> wrapped = RuntimeError("forward of block 3 failed")
+        >>> wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory")  # raise ... from
+        >>> is_oom(wrapped)
         True
     """
     seen: set[int] = set()
@@ -63,18 +45,12 @@ def is_oom(error: BaseException) -> bool:
         if link is None or id(link) in seen:
             continue
         seen.add(id(link))
-        if _is_oom_itself(link):
+        if isinstance(link, torch.OutOfMemoryError) or (
+            isinstance(link, RuntimeError) and any(m in str(link) for m in OOM_MESSAGES)
+        ):
             return True
-        pending.append(link.__cause__)
-        if not link.__suppress_context__:
-            pending.append(link.__context__)
+        pending += [link.__cause__, None if link.__suppress_context__ else link.__context__]
     return False
-
-
-def _is_oom_itself(error: BaseException) -> bool:
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and any(f in str(error) for f in OOM_MESSAGES)
 
 
 def free_memory() -> None:
@@ -87,13 +63,12 @@ def free_memory() -> None:
 
 def memory_report(device: torch.device | None) -> str:
     """A one-line summary of the device's memory, for error messages."""
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.memory_reserved(device)
-        gib = 2.0**30
-        return (
-            f"{device}: {free / gib:.2f} GiB free of {total / gib:.2f} GiB, "
-            f"{reserved / gib:.2f} GiB reserved by torch, peak allocated {peak / gib:.2f} GiB"
-        )
-    return f"{device or 'cpu'}: no allocator statistics for this device"
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return f"{device or 'cpu'}: no allocator statistics for this device"
+    gib = 2.0**30
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    return (
+        f"{device}: {free / gib:.2f} GiB free of {total / gib:.2f} GiB, "
+        f"{reserved / gib:.2f} GiB reserved by torch, peak allocated {peak / gib:.2f} GiB"
+    )

@@ -1,24 +1,20 @@
 """Run one large batch as micro-batches through an ``Accumulate`` wrapper, surviving OOM:
-:class:`MicroBatchRunner` cuts the batch (which may stay in host memory) into micro-batches,
-runs forward and backward per micro-batch with exact item weights and, with ``"auto"``, finds
-the largest micro-batch that fits from out-of-memory errors, losing or repeating no sample.
-"""
+:class:`MicroBatchRunner` weighs each micro-batch by its items and, with ``"auto"``, finds the
+largest one that fits from out-of-memory errors, losing or repeating no sample."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+import math
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeAlias
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from accumopt import _cuts, _tree
-from accumopt._checks import positive_int
-from accumopt._loss_result import check_outputs, parse, summed
-from accumopt._module_state import ModuleState
-from accumopt._totals import Opened, Totals
-from accumopt.accumulate import AccumulatingOptimizer
+from accumopt import _tree
+from accumopt._checks import check_count, check_count_tensor, positive_int
+from accumopt.accumulate import Accumulate
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
@@ -26,108 +22,72 @@ from accumopt.oom import free_memory, is_oom, memory_report
 logger = logging.getLogger("accumopt")
 
 Scaler: TypeAlias = "torch.amp.GradScaler | None"
-"""The wrapper's ``GradScaler`` while it is enabled, else None (read once per batch)."""
+Mark: TypeAlias = "tuple[int, float, int, int, dict[str, Any] | None]"
 
-LossFn = Callable[[Any], Any]
-"""``loss_fn(micro_batch)`` returns ``loss``, ``(loss, items)`` or ``(loss, items, outputs)``."""
+NOT_TRAINED = (
+    "The micro-batches before this one were trained; this one and the rest of the batch were not."
+)
 
 
 class MicroBatchRunner:
     """Forward and backward a large batch in micro-batches, feeding an ``Accumulate`` wrapper.
 
-    Each call processes every row of the batch once, in order: one call can be one micro-step
-    (``micro_batch_size`` >= the batch) or a whole window (``Accumulate(..., every_items=N)``
-    with batches of N rows), or anything between; the wrapper applies the update at its
-    accumulation boundary. Under AMP the wrapper's ``scaler`` is used
-    (``scaler.scale(loss)``, ``scaler.step``, ``scaler.update`` per micro-batch).
-
-    With ``"auto"`` the micro-batches per batch change as the search moves: build the wrapper
-    with ``every_items=N`` (items per update; with ``every=k`` an update would cover k
-    micro-batches of whatever size). A micro-batch is cut where the window fills at one item
-    per row (:mod:`accumopt._cuts`): a window of rows holds exactly N of them, whatever the
-    micro-batch size. A micro-batch attempt that runs out of memory leaves no trace: its
-    gradient is dropped, and the buffers its forward pass updated (BatchNorm running statistics
-    and ``num_batches_tracked``, any registered buffer of the model) and the random number
-    generators it drew from (the CPU generator; the default CUDA generator of each CUDA device
-    the model, the parameters or ``device`` are on) are restored from a snapshot taken before
-    each attempt (see :mod:`accumopt._module_state`), so the run equals one that used the final
-    sizes from the start. Buffers need the model: ``model=`` here, else the wrapper's
-    (``model=`` or ``set_model``, at the time of the attempt); without either only gradients and
-    generators are restored. Once a size has run for the batch's inputs, a window the call opens
-    at that size runs without the rollback buffer and without a snapshot per attempt (one per
-    window): its micro-steps add up in ``.grad`` as in a plain loop. Should one of them run out
-    of memory after all (memory got scarcer), the window is dropped and run again from its first
-    row at a smaller size, from that snapshot: nothing is lost or counted twice, and its earlier
-    micro-batches are computed twice. Probes of a larger size (``grow_after``), a window carried
-    over from the previous call, DDP and a ``GradScaler`` keep the buffer.
+    Each call processes every row once, in order; the wrapper updates at its window's end. A
+    micro-batch is cut where a window in items fills at one item per row, so ``every_items=N``
+    means N rows per update (over all ranks) whatever the size. The wrapper's ``scaler``, if
+    any, scales and steps. With ``"auto"``, an attempt that runs out of memory leaves no trace:
+    its gradient is dropped and the model's buffers and the default CPU and CUDA generators are
+    restored, as if the final sizes had run from the start. A window opened at a size proven
+    for these inputs skips the rollback buffer (one rank, no scaler): an OOM reruns it whole.
 
     Example:
-        >>> import torch
-        >>> from accumopt import Accumulate, MicroBatchRunner
         >>> model = torch.nn.Linear(4, 1)
         >>> opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=32)
-        >>> def loss_fn(batch):  # the micro-batch's summed loss, and the items it covers
-        ...     x, y = batch
-        ...     return ((model(x) - y) ** 2).sum(), len(x)
-        >>> runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto", model=model)
+        >>> def loss_fn(batch):  # the micro-batch's mean loss, as torch's losses return it
+        ...     return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        >>> runner = MicroBatchRunner(
+        ...     opt, loss_fn, micro_batch_size="auto", loss_reduction="mean", model=model
+        ... )
         >>> mean_loss = runner((torch.randn(32, 4), torch.randn(32, 1)))  # one update
         >>> opt.updates, runner.ooms
         (1, 0)
 
     Args:
         optimizer: the ``Accumulate`` wrapper to feed.
-        loss_fn: called with each micro-batch (same nesting as the batch, tensors on
-            ``device``). Returns the micro-batch's loss (a one-element tensor that requires
-            grad), or ``(loss, items)`` where ``items`` is the number of items the loss covers
-            (e.g. tokens that carry a loss; default: the micro-batch's rows), a number >= 0 or
-            a one-element tensor, or ``(loss, items, outputs)`` with per-row ``outputs`` (a
-            tensor or nesting of tensors, concatenated when ``return_outputs=True``). A result
-            that breaks these rules is refused before the micro-batch's backward pass: the
-            wrapper counts nothing for it. The runner runs and counts that backward pass;
-            ``loss_fn`` must run none itself (README: "The runner's backward passes").
-        micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``: start at
-            ``start_size`` (default: the whole batch) and find the largest size that fits.
-        device: where micro-batches run (None: leave tensors where they are). Host tensors
-            bound for CUDA are pinned and copied with ``non_blocking=True``.
-        loss_reduction: ``"sum"`` (default): ``loss`` is the sum over the micro-batch's
-            items; ``"mean"``: ``loss`` is their mean (the runner multiplies it by ``items``).
-            Either way each micro-batch is weighted by its item count, exactly.
-        model: the module ``loss_fn`` runs. With ``"auto"``, its buffers are restored after a
-            failed attempt (a clone of every buffer is taken before each attempt); it also
-            warns once if it has BatchNorm layers in training mode and the micro-batch is small
-            (see :mod:`accumopt.batchnorm`).
-        start_size: the first size tried, an int >= 1, or None (the whole batch).
-        tolerance: the search stops bisecting within this fraction of the size that fits,
-            0 <= tolerance < 1.
-        grow_after: clean micro-steps at a settled size before a 25 % larger size is probed,
-            an int >= 1, or None (never).
-        max_size: the largest size tried, an int >= ``start_size``, or None (no cap). The
-            last four: see :class:`accumopt.autosize.MicroBatchSizer`.
+        loss_fn: called with each micro-batch (nested as the batch, tensors on ``device``);
+            returns its loss (a one-element tensor that requires grad), ``(loss, items)``
+            (the items it covers, e.g. tokens, a number >= 0 or one-element tensor; default:
+            the rows) or ``(loss, items, outputs)``. The runner runs the backward pass.
+        micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``.
+        device: where micro-batches run (None: where they are), copied without blocking.
+        loss_reduction: required: ``"mean"`` (torch's convention): ``loss`` is the mean over
+            its items; ``"sum"``: their sum. Either way each micro-batch weighs by its items.
+        model: the module ``loss_fn`` runs: its buffers are restored after a failed attempt
+            (default: the wrapper's), and small micro-batches through its BatchNorm warn once.
+        start_size, tolerance, grow_after, max_size: the ``"auto"`` search
+            (:class:`accumopt.autosize.MicroBatchSizer`; ``start_size=None``: the batch).
 
     Raises:
-        TypeError: ``optimizer`` is not an ``AccumulatingOptimizer``.
-        ValueError: ``micro_batch_size`` is neither a positive int nor ``"auto"``;
-            ``loss_reduction`` is not "sum"/"mean"; ``start_size``, ``tolerance``,
-            ``grow_after`` or ``max_size`` is out of the ranges above.
-        RuntimeError: ``"auto"`` with a wrapper that cannot drop a micro-step alone
-            (``buffer=False``, an FSDP2 model: :meth:`Accumulate.enable_rollback`).
+        TypeError: ``optimizer`` is not an ``Accumulate``.
+        ValueError: a setting out of range; ``"auto"`` over ``Accumulate(every=k)``.
+        RuntimeError: ``"auto"`` with a wrapper that cannot roll back (``buffer=False``, FSDP2).
     """
 
     def __init__(
         self,
-        optimizer: AccumulatingOptimizer,
-        loss_fn: LossFn,
+        optimizer: Accumulate,
+        loss_fn: Callable[[Any], Any],
         *,
         micro_batch_size: int | Literal["auto"] = "auto",
         device: torch.device | str | None = None,
-        loss_reduction: Literal["sum", "mean"] = "sum",
-        model: torch.nn.Module | None = None,
+        loss_reduction: Literal["mean", "sum"] | None = None,
+        model: nn.Module | None = None,
         start_size: int | None = None,
         tolerance: float = 0.02,
         grow_after: int | None = 1000,
         max_size: int | None = None,
     ) -> None:
-        if not isinstance(optimizer, AccumulatingOptimizer):
+        if not isinstance(optimizer, Accumulate):
             raise TypeError(
                 f"MicroBatchRunner: optimizer is a {type(optimizer).__qualname__}; expected an "
                 "accumopt.Accumulate wrapper (Accumulate(torch.optim.AdamW(...), every_items=N))."
@@ -136,44 +96,38 @@ class MicroBatchRunner:
         if auto and optimizer.every is not None:
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size='auto' over Accumulate(every="
-                f"{optimizer.every}), a window counted in micro-steps: the effective batch would "
-                "follow the size search (an update covers whatever rows its micro-batches had); "
-                "expected a window in items, Accumulate(..., every_items=N), so that every "
-                "update covers N rows whatever the micro-batch size, or a fixed "
-                "micro_batch_size."
+                f"{optimizer.every}) would make the rows per update follow the size search; "
+                "expected Accumulate(..., every_items=N), or a fixed micro_batch_size."
             )
         if not auto and not positive_int(micro_batch_size):
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "
                 "or 'auto'."
             )
-        if loss_reduction not in ("sum", "mean"):
-            raise ValueError(
-                f"MicroBatchRunner: loss_reduction={loss_reduction!r}; expected 'sum' (loss_fn "
-                "returns the summed loss) or 'mean' (it returns the mean over its items)."
+        if loss_reduction is None:
+            raise TypeError(
+                "MicroBatchRunner: loss_reduction is required; expected 'mean' if loss_fn "
+                "returns the micro-batch's mean loss (torch's default) or 'sum' if its summed "
+                "loss (the 0.1 default). A wrong one scales every update by the items."
             )
-        check_search(
-            "MicroBatchRunner", ("start_size", start_size), tolerance, grow_after, max_size
-        )
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"MicroBatchRunner: loss_reduction={loss_reduction!r}; expected 'mean' (loss_fn "
+                "returns the mean over its items, as torch's losses do) or 'sum'."
+            )
+        check_search("MicroBatchRunner", "start_size", start_size, tolerance, grow_after, max_size)
+        self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
         self.device = torch.device(device) if device is not None else None
         self.loss_reduction = loss_reduction
-        self.model = model
         self._fixed = None if auto else int(micro_batch_size)
-        self._tolerance, self._grow_after, self._max_size = tolerance, grow_after, max_size
-        self._start = start_size
+        self._start, self._search = start_size, (tolerance, grow_after, max_size)
         self.sizer: MicroBatchSizer | None = None
-        self._history: list[tuple[str, int, str]] = []
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
 
-    # ------------------------------------------------------------------ read-outs
-
     @property
     def micro_batch_size(self) -> int | None:
-        """The micro-batch size in use: where the ``"auto"`` search stands (a batch's last
-        micro-batch may be shorter), or the fixed size."""
+        """The fixed size, or where the ``"auto"`` search stands (None before the first call)."""
         return self._fixed if self.sizer is None else self.sizer.current
 
     @property
@@ -183,218 +137,313 @@ class MicroBatchRunner:
 
     @property
     def history(self) -> list[tuple[str, int, str]]:
-        """Every micro-batch size change: (inputs, new size, reason), the inputs written as
-        ``"batch[0]: (3, 32, 32) float32, batch[1]: () int64"`` (each tensor leaf's shape
-        past dim 0 and dtype: the search keeps one ceiling per such key)."""
-        if self.sizer is None:
-            return []
-        described = self._history  # described once each, as the search appends them
-        for key, size, why in self.sizer.history[len(described) :]:
-            described.append((describe_key(key), size, why))
-        return list(described)
-
-    # ------------------------------------------------------------------ the loop
+        """Every size change as (inputs, new size, reason), the inputs (one ceiling each) as
+        ``"batch[0]: (3, 32, 32) float32, batch[1]: () int64"`` (shapes past dim 0)."""
+        changes = [] if self.sizer is None else self.sizer.history
+        return [(describe_key(key), size, why) for key, size, why in changes]
 
     def __call__(self, batch: Any, *, return_outputs: bool = False) -> Any:
-        """Process every row of ``batch`` once; return the mean loss over its items.
-
-        Args:
-            batch: a tensor or nesting of tensors sharing dim 0 (any device; host memory is
-                fine), non-tensor leaves passed to every micro-batch unchanged.
-            return_outputs: also return the concatenated per-row outputs of ``loss_fn``.
-
-        Returns:
-            The batch's mean loss (detached, of the losses' shape: 0-dim for 0-dim losses, on
-            the loss's device: the sum of the micro-batch losses over the sum of their items),
-            or ``(mean_loss, outputs)``.
+        """Process every row of ``batch`` once; return the mean loss over its items (detached,
+        of the losses' shape and device), or ``(mean, outputs)`` with ``return_outputs``: the
+        outputs of ``loss_fn`` concatenated. ``batch``: a tensor or nesting of tensors sharing
+        dim 0 (any device), other leaves passed to every micro-batch.
 
         Raises:
-            RuntimeError: the wrapper refuses (a failed pass not dropped: ``opt.discard()``).
+            RuntimeError: the wrapper refuses (a failed pass: ``opt.discard()``), or its
+                window waits for ``step()``.
             NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory.
-            TypeError: ``loss_fn`` returned something other than a loss tensor, ``(loss,
-                items)`` or ``(loss, items, outputs)``, or a loss that is not a tensor, or (with
-                ``return_outputs``) outputs holding a tensor whose rows cannot be concatenated:
-                refused before that micro-batch's backward pass.
-            ValueError: the batch is empty or its tensor leaves disagree on dim 0; ``loss_fn``
-                returned a loss that is not a one-element tensor requiring grad, bad ``items``
-                (not a finite number >= 0, nor a one-element tensor holding one), or outputs
-                nested unlike the first micro-batch's: refused before that micro-batch's
-                backward pass (the ones before it were trained, it and the rest were not; but
-                see below for a window run without the rollback buffer).
-
-        Other errors of ``loss_fn`` or of the backward pass propagate unchanged. With
-        ``"auto"``, any error leaves the buffers and generators as they were before the
-        micro-batch that raised it; in a window run without the rollback buffer (see the
-        class), as they were when that window opened, and the window is dropped too.
+            TypeError, ValueError: an empty or ragged batch; a ``loss_fn`` result that
+                cannot be counted or joined (the micro-batches before it were trained).
+            Others propagate; with ``"auto"`` the buffers and generators are as before the
+            failed micro-batch (or its window, dropped, if it ran without rollback).
         """
-        self.optimizer._check_not_paused("backward")  # outside the attempts: no OOM of one
-        if self.optimizer.will_update and (closed := self.optimizer._window.refusal(True)):
-            raise closed[0](f"{closed[1]} MicroBatchRunner: nothing of this batch was run.")
-        rows_of = _tree.RowSlicer(batch, self.device)  # the batch is flattened once
-        scaler = self.optimizer.scaler
-        scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        totals = Totals(return_outputs)
-        if self._fixed is None:  # ranks agree on each outcome before any counts (a collective)
-            with self.optimizer._counting_deferred(self.optimizer._ranks is not None):
-                self._run_auto(rows_of, scaler, totals)
-        else:  # never retried; cut at the window's end
-            window, ranks = self.optimizer._window, self.optimizer._sync.world_size
-            own = scaler is None and _own_steps(self.optimizer)  # read once per batch
-            for piece, rows in _cuts.fixed_pieces(rows_of, self._fixed, window, ranks):
+        opt = self.optimizer
+        opt.check_usable("MicroBatchRunner")
+        if opt.will_update:
+            raise RuntimeError(
+                "MicroBatchRunner: the wrapper's window is complete and waits for step(); "
+                "expected opt.step() first. Nothing of this batch was run."
+            )
+        rows_of = _tree.RowSlicer(batch, self.device)
+        scaler = opt.scaler if opt.scaler is not None and opt.scaler.is_enabled() else None
+        totals = _Totals(return_outputs, self.loss_reduction == "mean")
+        if self._fixed is None:
+            self._run_auto(rows_of, scaler, totals)
+        else:
+            for piece, rows in _pieces(rows_of, self._fixed, opt):
                 warn_small_batchnorm(self.model, rows)
-                totals.add(*self._forward_backward(piece, rows, totals, scaler), rows)
-                self._step(scaler, own)
+                totals.add(*self._forward_backward(piece, rows, totals, scaler, False), rows)
+                self._step(scaler)
         return totals.result()
 
-    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: Totals) -> None:
-        """The ``"auto"`` loop. An attempt of a size not proven for these inputs runs with the
-        rollback buffer (a snapshot of the buffers and generators before it; one that runs out
-        of memory is dropped alone and retried smaller). A window this call opens at a proven
-        size runs without them (:class:`Opened`): its micro-steps stay in ``.grad``, and an
-        out-of-memory error there restarts the window from its first row, smaller."""
-        n, ranks = rows_of.rows, self.optimizer._ranks  # read now: set_model() may follow init
-        if ranks is not None:
-            ranks.check_same_rows(n, "MicroBatchRunner")
-        key = rows_of.shape_key()
-        offset = 0
-        opened: Opened | None = None
+    def _run_auto(self, rows_of: _tree.RowSlicer, scaler: Scaler, totals: _Totals) -> None:
+        """The ``"auto"`` loop; a window opened at a proven size runs without rollback."""
         opt = self.optimizer
-        # windows without the buffer: one process (ranks agree per micro-batch), no GradScaler
-        may_open = ranks is None and scaler is None
-        own = scaler is None and _own_steps(opt)  # read once per batch, as in the fixed loop
-        while offset < n:
-            fill = _cuts.room(opt._window, opt._sync.world_size)  # the window's end, if near
-            size, proven = self._propose(key, n - offset, fill)
-            if opened is not None and not proven:  # a larger size is probed: from here on
-                opened = None  # each micro-batch is rolled back alone
-            elif opened is None and proven and may_open and opt._rollback_off():
-                opened = Opened(offset, totals.mark(), self._snapshot())
-            if opened is None and not opt._buffer.buffer_all:  # the open window is folded
+        n, ranks = rows_of.rows, opt.world_size > 1  # read now: set_model() may follow init
+        if ranks:
+            total, squares = opt.sum_over_ranks(n, n * n, "the rows of the runner's batch")
+            if squares * opt.world_size != total * total:  # equal on every rank
+                raise ValueError(
+                    f"MicroBatchRunner: this rank's batch has {n} rows, all ranks' {total:g}; "
+                    "expected as many rows on every rank with micro_batch_size='auto'."
+                )
+        if self.sizer is None:
+            self.sizer = MicroBatchSizer(self._start or n, *self._search)
+        sizer, key = self.sizer, rows_of.shape_key()
+        opened = None  # restores the window opened without rollback to its start
+        may_open = not ranks and scaler is None  # ranks agree on each micro-batch: buffer it
+        while (offset := totals.rows) < n:
+            size = sizer.propose(key, _room(opt, n - offset))
+            warn_small_batchnorm(self.model, size)
+            proven = sizer.proven(key, size)
+            if opened is not None and not proven:  # a larger size is probed: roll back alone
+                opened = None
+            elif opened is None and proven and may_open and opt.disable_rollback():
+                opened = self._snapshot(totals)
+            if opened is None and not opt.rollback:
                 opt.enable_rollback()
-            state = self._snapshot() if opened is None else None
+            restore = self._snapshot(totals) if opened is None else opened
             failure, result = None, None
             try:
-                piece = rows_of(offset, offset + size)
-                result = self._forward_backward(piece, size, totals, scaler)
-            except BaseException as err:  # re-raised below unless it is an OOM we handle
+                result = self._forward_backward(
+                    rows_of(offset, offset + size), size, totals, scaler, ranks
+                )
+            except BaseException as err:
                 if not is_oom(err):
-                    self._undo(state, opened, offset)
+                    if opened is not None:  # drop the window run without rollback
+                        opt.discard()
+                    restore()
                     raise
                 failure = f"{type(err).__name__}: {err}"
-            if ranks is not None:  # all ranks back off together, or none does
-                failed_ranks = ranks.failed_ranks(failure is not None)
-                if failed_ranks and failure is None:
-                    failure = f"out of memory on {failed_ranks:g} other rank(s)"
+            if ranks:  # all ranks back off together, or none does
+                what = "a micro-batch's out-of-memory failure"
+                failed = opt.sum_over_ranks(float(failure is not None), 0.0, what)[0]
+                if failed and failure is None:
+                    failure = f"out of memory on {failed:g} other rank(s)"
                 if failure is None:
-                    opt._commit_deferred()
-            if failure is not None:  # outside the except block: the traceback is gone
-                piece = result = None
-                if opened is None:
-                    assert state is not None
-                    self._recover(key, size, failure, state)
-                else:  # the window starts again from its first row, at a smaller size
-                    self._undo(None, opened, offset)
-                    offset = opened.offset
-                    totals.truncate(opened.mark)
+                    opt.commit()
+            if failure is None:
+                assert result is not None
+                sizer.succeeded(key, size)
+                self._step(scaler)
+                totals.add(*result, size)
+                if opened is not None and opt.micro_step == 0:  # the window was applied
                     opened = None
-                    self._shrink(key, size, failure)
                 continue
-            assert result is not None and self.sizer is not None
-            self.sizer.succeeded(key, size)
-            self._step(scaler, own)
-            totals.add(*result, size)
-            offset += size
-            if opened is not None and opt._window.micro_step == 0:  # the window was applied
-                opened = None
-
-    def _undo(self, state: ModuleState | None, opened: Opened | None, offset: int) -> None:
-        """After a failed attempt at row ``offset``: restore what it changed (``state``), or drop
-        the window opened without the rollback buffer and restore what changed since then."""
-        if opened is None:
-            assert state is not None
-            state.restore()
-            return
-        self.optimizer.discard()
-        opened.state.restore()
-        if offset > opened.offset:
-            logger.info(
-                "window restarted at row %d of the batch after a failed micro-batch at row %d: "
-                "its %d earlier rows are run again",
-                opened.offset,
-                offset,
-                offset - opened.offset,
-            )
-
-    def _propose(self, key: Hashable, left: int, fill: int | None) -> tuple[int, bool]:
-        """The next attempt's size (at most ``left`` rows and the window's room ``fill``) and if
-        it ran before (``MicroBatchSizer.proven``); the search starts at start_size or ``left``."""
-        if self.sizer is None:
-            self.sizer = MicroBatchSizer(
-                self._start or left,
-                tolerance=self._tolerance,
-                grow_after=self._grow_after,
-                max_size=self._max_size,
-            )
-        size = self.sizer.propose(key, left if fill is None else min(left, fill))
-        warn_small_batchnorm(self.model, size)
-        return size, self.sizer.proven(key, size)
+            result = None  # outside the except block: the traceback is gone
+            if opened is not None:
+                opt.discard()
+            else:
+                opt.drop_micro_step()
+            restore()
+            opened = None
+            if totals.rows < offset:  # the window starts again from its first row
+                logger.info("window restarted at row %d, failed at row %d", totals.rows, offset)
+            free_memory()
+            try:
+                sizer.failed(key, size)
+            except NoMicroBatchFits as err:
+                raise NoMicroBatchFits(
+                    f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
+                ) from None
 
     def _forward_backward(
-        self, piece: Any, rows: int, totals: Totals, scaler: Scaler
-    ) -> tuple[Tensor, float, Any]:
+        self, piece: Any, rows: int, totals: _Totals, scaler: Scaler, hold: bool
+    ) -> tuple[Tensor, Tensor | None, float, Any]:
+        """``loss_fn`` and backward on ``piece``: (loss, seed of a mean's pass, items, out)."""
         opt = self.optimizer
-        with opt._counter.unhooked:  # the runner runs and counts the backward pass itself
-            result = self.loss_fn(piece)
-        loss, items, out = parse(result, rows)
+        loss, items, out = _parse(self.loss_fn(piece), rows)
         if totals.keep:  # before the backward pass: a micro-batch refused here is not counted
-            check_outputs(out, totals.reference)
-        if self.loss_reduction == "mean":  # ranks: the reducer waits for every gradient
-            params = [] if opt._ranks is None else opt.param_groups
-            loss = summed(loss, items, (p for g in params for p in g["params"]))
-        opt._backward_here(loss if scaler is None else scaler.scale(loss), items)
-        return loss.detach(), items, out  # not the graph: a ctx or hook may hold memory
+            _joined(out, totals.reference)
+        if totals.mean and items == 0:  # 0/0 has a NaN gradient: backpropagate an exact zero
+            groups = opt.param_groups if opt.world_size > 1 else []  # DDP waits for every grad
+            sums = [p.sum() for g in groups for p in g["params"] if p.requires_grad]
+            loss = sum(sums, loss.new_zeros((), requires_grad=True)) * 0.0  # else .grad None
+        scaled = loss if scaler is None else scaler.scale(loss)
+        seed = torch.full_like(scaled, items) if totals.mean else None  # mean -> summed loss
+        opt.backward(scaled, items, hold=hold, gradient=seed)
+        return loss.detach(), seed, items, out  # not the graph: a ctx or hook may hold memory
 
-    def _step(self, scaler: Scaler, own: bool) -> None:  # own: _own_steps(), read per batch
+    def _step(self, scaler: Scaler) -> None:
         opt = self.optimizer
-        if scaler is not None:
+        if scaler is None:
+            opt.step()
+        else:
             scaler.step(opt)
             scaler.update()
-        elif own and opt._step_inside_window():
-            return  # all that step() and zero_grad() do inside the window, done
-        else:
-            opt.step()
         opt.zero_grad()
 
-    def _snapshot(self) -> ModuleState:
-        """What the coming ``"auto"`` attempt may change outside the gradients: the buffers of
-        the runner's model, else of the wrapper's (read now: ``set_model`` may come later)."""
-        params = (p for g in self.optimizer.param_groups for p in g["params"])  # lazy: CUDA only
-        model = self.optimizer.model if self.model is None else self.model
-        return ModuleState(model, params, self.device)
+    def _snapshot(self, totals: _Totals) -> Callable[[], None]:
+        """Save ``totals``, the buffers and the CPU and CUDA generators; return what restores."""
+        mark = totals.mark()
+        model = self.model if self.model is not None else self.optimizer.model
+        named = list(model.named_buffers()) if model is not None else []
+        saved = [(name, buf, buf.detach().clone()) for name, buf in named]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
 
-    def _recover(self, key: Hashable, size: int, failure: str, state: ModuleState) -> None:
-        """Roll back the failed micro-batch alone (its gradient, the buffers its forward pass
-        updated, the random numbers it drew), free memory, shrink the next attempt."""
-        self.optimizer.drop_micro_step()
-        state.restore()
-        self._shrink(key, size, failure)
+        def restore() -> None:
+            totals.truncate(mark)
+            current = dict(model.named_buffers()) if model is not None else {}
+            with torch.no_grad():
+                for name, buf, copy in saved:
+                    buf.copy_(copy)
+                    if current.get(name) is not buf:  # reassigned (self.x = new) or deleted
+                        owner, _, attr = name.rpartition(".")
+                        setattr(model.get_submodule(owner), attr, buf)  # type: ignore[union-attr]
+            torch.set_rng_state(cpu_rng)
+            torch.cuda.set_rng_state_all(cuda_rng)
 
-    def _shrink(self, key: Hashable, size: int, failure: str) -> None:
-        """Free memory and record the out-of-memory error at ``size`` (the next attempt is
-        smaller); NoMicroBatchFits at one row."""
-        free_memory()
-        assert self.sizer is not None
+        return restore
+
+
+def _room(opt: Accumulate, rows: int) -> int:
+    """Of ``rows``, those (>= 1) that fill the window in items at one item per row per rank."""
+    size = opt.every_items
+    if size is None:
+        return rows
+    return min(rows, max(1, math.ceil((size - float(opt.items)) / float(opt.world_size))))
+
+
+def _pieces(rows_of: _tree.RowSlicer, size: int, opt: Accumulate) -> Iterator[tuple[Any, int]]:
+    """``(piece, rows)`` of ``size`` rows in order, cut again where the window fills."""
+    offset = 0
+    for piece, rows in rows_of.split(size):
+        cut = False
+        while (fill := _room(opt, rows)) < rows:
+            yield rows_of(offset, offset + fill), fill
+            offset, rows, cut = offset + fill, rows - fill, True
+        yield (rows_of(offset, offset + rows) if cut else piece), rows
+        offset += rows
+
+
+def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
+    """``loss_fn``'s result as (loss, items, outputs), refusing what cannot be counted."""
+    items: float
+    if isinstance(result, Tensor):
+        loss, items, out = result, rows, None  # an int: the wrapper's quickest count
+    elif isinstance(result, tuple) and len(result) in (2, 3):
+        loss, items, out = result[0], _count(result[1]), (result[2] if len(result) == 3 else None)
+    else:
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned a {type(result).__qualname__}; expected a loss "
+            f"tensor, (loss, items) or (loss, items, outputs). {NOT_TRAINED}"
+        )
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"MicroBatchRunner: loss_fn returned loss={_tree.short(loss)}, a "
+            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad. "
+            f"Return the loss tensor itself, not loss.item(). {NOT_TRAINED}"
+        )
+    if loss.numel() != 1 or not loss.requires_grad:
+        wrong = "that does not require grad (computed under torch.no_grad() or detached)"
+        if loss.numel() != 1:
+            wrong = f"of shape {tuple(loss.shape)}"
+        raise ValueError(
+            f"MicroBatchRunner: loss_fn returned loss={_tree.short(loss)}, a tensor {wrong}; "
+            "expected a one-element tensor that requires grad. Reduce it (.mean(), or .sum() "
+            f"with loss_reduction='sum') and keep autograd on. {NOT_TRAINED}"
+        )
+    return loss, items, out
+
+
+def _count(items: object) -> float:
+    """``loss_fn``'s item count as a float, or ValueError (a tensor is read once: a sync)."""
+    what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
+    try:
+        if not isinstance(items, Tensor):
+            return check_count(items, what, covers, ", which")
+        check_count_tensor(items, f"{what}={_tree.short(items)}, which")
+        return check_count(items.item(), what, covers, f" (read from {_tree.short(items)}), which")
+    except ValueError as err:
+        raise ValueError(
+            f"{err} Return (loss, items) with items a Python number or a one-element tensor "
+            f"(e.g. mask.sum()). {NOT_TRAINED}"
+        ) from None
+
+
+def _joined(out: Any, reference: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Refuse an ``out`` that cannot join ``reference``; return what later outputs must join."""
+    if out is None:
+        return reference
+    leaves = dict(_tree.flatten(out, "MicroBatchRunner", root="outputs")[0])
+    if reference is not None and leaves.keys() != reference.keys():
+        raise ValueError(
+            "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
+            "micro-batch's (other keys or leaves); expected one structure for every "
+            f"micro-batch with return_outputs=True. {NOT_TRAINED}"
+        )
+    for path, leaf in leaves.items():
+        was = leaf if reference is None else reference[path]
+        if not (isinstance(was, Tensor) and was.dim() > 0):
+            continue
+        joinable = isinstance(leaf, Tensor) and leaf.dim() > 0
+        if joinable and not (_empty(leaf) or _empty(was)):
+            joinable = _tree.row_shape(leaf) == _tree.row_shape(was)
+        if not joinable:
+            what = f"of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "no tensor"
+            raise ValueError(
+                f"MicroBatchRunner: loss_fn returned outputs with {path} {what}, which cannot "
+                f"be concatenated along dim 0 with the earlier micro-batches' {tuple(was.shape)};"
+                " expected the same shape past dim 0 in every micro-batch (pad to one width, "
+                f"or return PerSample(list(...))). {NOT_TRAINED}"
+            )
         try:
-            self.sizer.failed(key, size)
-        except NoMicroBatchFits as err:
-            raise NoMicroBatchFits(
-                f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
-            ) from None
+            _tree.check(path, leaf, "MicroBatchRunner")
+        except TypeError as err:
+            raise TypeError(f"{err} (return_outputs=True) {NOT_TRAINED}") from None
+    if reference is None:
+        return leaves
+    return {
+        path: leaves[path] if isinstance(was, Tensor) and _empty(was) else was
+        for path, was in reference.items()
+    }
 
 
-def _own_steps(opt: AccumulatingOptimizer) -> bool:
-    """Whether ``opt.step()`` and ``opt.zero_grad()`` are the wrapper's own: not overridden by a
-    subclass, ``step`` not replaced on the instance (as by an LR scheduler)."""
-    cls, own = type(opt), AccumulatingOptimizer
-    own_methods = cls.step is own.step and cls.zero_grad is own.zero_grad
-    return own_methods and "_step_replaced" not in opt.__dict__
+def _empty(t: Tensor) -> bool:
+    """``torch.empty(0)``, which ``torch.cat`` leaves out whatever the others' shapes."""
+    return t.dim() == 1 and t.numel() == 0 and t.layout == torch.strided and not t.is_nested
+
+
+class _Totals:
+    """One batch's losses (a mean times its ``seed``, its items), items and outputs."""
+
+    def __init__(self, keep: bool, mean: bool) -> None:
+        self.keep, self.mean = keep, mean
+        self.losses: list[Tensor] = []
+        self.seeds: list[Tensor] = []
+        self.items, self.rows = 0.0, 0
+        self.outputs: list[Any] = []
+        self.sizes: list[int] = []
+        self.reference: dict[str, Any] | None = None  # what later outputs must join
+
+    def add(self, loss: Tensor, seed: Tensor | None, items: float, out: Any, rows: int) -> None:
+        self.losses.append(loss)
+        if seed is not None:
+            self.seeds.append(seed)
+        self.items += items
+        self.rows += rows
+        if self.keep and out is not None:
+            self.outputs.append(out)
+            self.sizes.append(rows)
+            self.reference = _joined(out, self.reference)
+
+    def mark(self) -> Mark:
+        return len(self.losses), self.items, self.rows, len(self.outputs), self.reference
+
+    def truncate(self, mark: Mark) -> None:
+        losses, self.items, self.rows, outputs, self.reference = mark
+        del self.losses[losses:], self.seeds[losses:], self.outputs[outputs:], self.sizes[outputs:]
+
+    def result(self) -> Any:
+        losses, seeds = self.losses, self.seeds  # a batch has >= 1 row: >= 1 micro-batch
+        if len(losses) > 1 and all(loss.shape == losses[0].shape for loss in losses):
+            stacked = torch.stack(losses)  # a few dispatches per batch, not one per micro-batch
+            total = (stacked * torch.stack(seeds) if self.mean else stacked).sum(0)
+        else:  # one-element losses of other shapes ((), (1,), ...) broadcast
+            summed = [a * b for a, b in zip(losses, seeds)] if self.mean else losses
+            total = sum(summed[1:], summed[0])
+        mean = total / self.items if self.items > 0 else torch.zeros_like(total)
+        if not self.keep:
+            return mean
+        return mean, (_tree.concat(self.outputs, sizes=self.sizes) if self.outputs else None)

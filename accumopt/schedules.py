@@ -1,67 +1,34 @@
-"""Window schedules: an effective batch that changes on purpose.
-
-``Accumulate(opt, every=schedule)`` (micro-steps per update) or ``every_items=schedule`` (items
-per update) takes, instead of a fixed size, any callable ``f(updates, items_seen) -> size``:
-``updates`` is the number of updates applied so far and ``items_seen`` the items (over all
-ranks) of those updates (items of weighted micro-steps, ``opt.backward(loss_sum, items=n)``;
-with plain ``loss.backward()`` it stays 0: schedule by updates then). The wrapper asks it once
-per window, when the window opens, so the size changes only at a boundary and every update is
-the exact mean over the window it actually used. A size that is not a whole number of
-micro-steps >= 1 (or a positive number of items), or that leaves the schedule's own
-``minimum``/``maximum``, is refused with the update it was asked for; nothing accumulated is
-lost.
-
-Ready-made schedules:
-
-- :class:`LinearRamp`: from ``start`` to ``end`` over a number of updates or items, in steps
-  of ``increment`` (Megatron's ``--rampup-batch-size start increment samples``).
-- :class:`StepSchedule`: piecewise constant, thresholds in items (samples or tokens) or
-  updates; :meth:`StepSchedule.parse` reads ``"0:768 250B:1536 500B:3072"``.
-- :class:`AdaptiveBatch`: grows the window toward the measured gradient noise scale
-  (``accumopt.noise``), within bounds, never shrinking.
-- :class:`Schedule`: any callable with a ``minimum``/``maximum`` to be held to.
-
-The schedule is not stored in a checkpoint; its position is (updates, items seen, the open
-window's size, and ``state_dict()`` for a schedule that has one): build the resuming wrapper with
-the same schedule. LR schedulers keep counting real updates (``opt.did_update``).
-"""
+"""Window schedules: ``Accumulate(opt, every=schedule)`` (micro-steps per update) or
+``every_items=schedule`` (items per update) takes any callable ``f(updates, items_seen) -> size``
+of the updates applied so far and their items over all ranks (0 with plain ``loss.backward()``),
+asked when a window opens. A checkpoint holds the position, not the schedule: reuse it."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_Fn = Callable[[int, float], Any]
 
 
 class Schedule:
-    """A window schedule: ``fn(updates, items_seen) -> size``, held to optional bounds.
-
-    Args:
-        fn: the schedule (subclasses override :meth:`size` instead).
-        minimum, maximum: the sizes it must stay within; a size outside is refused, naming the
-            update (a schedule that shrinks below its minimum is a bug, not a request).
-    """
+    """``fn(updates, items_seen) -> size``; the wrapper refuses a size outside ``[minimum,
+    maximum]`` (None: unbounded). Subclasses override :meth:`size` instead of giving ``fn``."""
 
     def __init__(
-        self,
-        fn: Callable[[int, float], Any] | None = None,
-        *,
-        minimum: float | None = None,
-        maximum: float | None = None,
+        self, fn: _Fn | None = None, *, minimum: float | None = None, maximum: float | None = None
     ) -> None:
-        self.fn = fn
-        self.minimum = minimum
-        self.maximum = maximum
+        self.fn, self.minimum, self.maximum = fn, minimum, maximum
 
     def __call__(self, updates: int, items_seen: float) -> Any:
         return self.size(updates, items_seen)
 
     def size(self, updates: int, items_seen: float) -> Any:
-        """The size of the window that opens after ``updates`` updates of ``items_seen``
-        items."""
+        """The size of the window that opens after ``updates`` updates of ``items_seen``."""
         if self.fn is None:
             raise NotImplementedError("Schedule: give fn, or override size()")
         return self.fn(updates, items_seen)
@@ -70,23 +37,11 @@ class Schedule:
         return f"Schedule({self.fn!r}, minimum={self.minimum!r}, maximum={self.maximum!r})"
 
 
-def _progress(by: str, updates: int, items_seen: float) -> float:
-    return float(updates) if by == "updates" else items_seen
-
-
 class LinearRamp(Schedule):
-    """From ``start`` to ``end`` (micro-steps, or items with ``every_items=``), linearly over
-    ``over_updates`` updates or ``over_items`` items seen, then ``end``.
-
-    The size grows in steps of ``increment`` (default 1), each held for an equal share of the
-    ramp, as Megatron-LM's ``--rampup-batch-size <start> <increment> <ramp samples>`` does.
-    A ramp down (``end < start``) works the same way.
-
-    Example::
-
-        every=LinearRamp(2, 16, over_updates=100)       # 2 -> 16 micro-steps in 100 updates
-        every_items=LinearRamp(256, 4096, over_items=1e6, increment=256)
-    """
+    """From ``start`` to ``end`` (micro-steps, or items with ``every_items=``) over
+    ``over_updates`` updates or ``over_items`` items seen, in steps of ``increment`` each held
+    for an equal share of the ramp (Megatron-LM's ``--rampup-batch-size``), then ``end``.
+    ValueError: not exactly one of ``over_updates``/``over_items``, or a value <= 0."""
 
     def __init__(
         self,
@@ -113,11 +68,12 @@ class LinearRamp(Schedule):
         self.by = "updates" if over_updates is not None else "items"
 
     def size(self, updates: int, items_seen: float) -> Any:
-        done = min(1.0, _progress(self.by, updates, items_seen) / self.over)
+        done = (updates if self.by == "updates" else items_seen) / self.over
+        if done >= 1.0:
+            return self.end
         span = self.end - self.start
         steps = math.floor(abs(span) / self.increment * done + 1e-9)
-        value = self.start + math.copysign(steps * self.increment, span)
-        return self.end if done >= 1.0 else value
+        return self.start + math.copysign(steps * self.increment, span)
 
     def __repr__(self) -> str:
         return (
@@ -127,21 +83,10 @@ class LinearRamp(Schedule):
 
 
 class StepSchedule(Schedule):
-    """Piecewise constant: ``steps[i] = (threshold, size)``: from ``threshold`` items seen (or
-    updates, ``by="updates"``) on, the window is ``size / per_micro_step``.
-
-    Args:
-        steps: ``(threshold, size)`` pairs, thresholds increasing from 0.
-        by: ``"items"`` (samples or tokens seen) or ``"updates"``.
-        per_micro_step: items one micro-step holds over all ranks (rows x ranks), for
-            ``every=``: the sizes are batch sizes in items, divided by it (each must divide);
-            1 for ``every_items=`` (sizes in items).
-
-    Example::
-
-        every_items=StepSchedule.parse("0:768 250K:1536 500K:3072")     # samples per update
-        every=StepSchedule.parse("0:768 250K:1536", per_micro_step=64)  # 12, then 24 micro-steps
-    """
+    """Piecewise constant: from each ``(threshold, size)`` of ``steps`` on (thresholds in items
+    seen, or updates with ``by="updates"``, increasing from 0) the window is ``size /
+    per_micro_step``: with ``every=``, the items of one micro-step over all ranks, the sizes
+    being batch sizes in items; 1 with ``every_items=``. ValueError for bad arguments."""
 
     def __init__(
         self, steps: Sequence[tuple[float, float]], *, by: str = "items", per_micro_step: float = 1
@@ -155,25 +100,26 @@ class StepSchedule(Schedule):
                 f"StepSchedule: thresholds {thresholds!r}; expected increasing thresholds "
                 "starting at 0, e.g. [(0, 768), (250e9, 1536)]."
             )
-        for _, v in steps:
-            if not (v > 0 and (per_micro_step == 1 or (v / per_micro_step).is_integer())):
+        sizes = [v / per_micro_step for _, v in steps]
+        for (_, v), size in zip(steps, sizes):
+            if not (v > 0 and (per_micro_step == 1 or size.is_integer())):
                 raise ValueError(
                     f"StepSchedule: size {v:g} is not a positive multiple of per_micro_step="
                     f"{per_micro_step!r}; expected batch sizes that a whole number of "
                     "micro-steps holds."
                 )
-        sizes = [v / per_micro_step for _, v in steps]
         super().__init__(minimum=min(sizes), maximum=max(sizes))
         self.steps, self.by, self.per_micro_step = steps, by, per_micro_step
+        self._thresholds = thresholds
         self._sizes = [int(v) if v.is_integer() else v for v in sizes]
 
     @classmethod
     def parse(cls, text: str, *, by: str = "items", per_micro_step: float = 1) -> StepSchedule:
-        """Read ``"0:768 250B:1536 500B:3072"``: ``threshold:size`` pairs separated by spaces
-        or commas, thresholds with an optional K/M/B (or G)/T suffix (10^3 .. 10^12)."""
+        """Read ``"0:768 250B:1536"``: ``threshold:size`` pairs separated by spaces or commas,
+        thresholds with an optional K/M/B (or G)/T suffix (10^3 .. 10^12); ValueError else."""
         steps = []
         for part in re.split(r"[\s,]+", text.strip()):
-            match = re.fullmatch(r"([0-9.]+(?:[eE][0-9]+)?)([KMBGT]?):([0-9.]+)", part.upper())
+            match = re.fullmatch(r"([0-9.]+(?:E[+-]?[0-9]+)?)([KMBGT]?):([0-9.]+)", part.upper())
             if match is None:
                 raise ValueError(
                     f"StepSchedule.parse: {part!r} in {text!r} is not threshold:size; expected "
@@ -183,40 +129,21 @@ class StepSchedule(Schedule):
         return cls(steps, by=by, per_micro_step=per_micro_step)
 
     def size(self, updates: int, items_seen: float) -> Any:
-        done = _progress(self.by, updates, items_seen)
-        chosen = self._sizes[0]
-        for (threshold, _), size in zip(self.steps, self._sizes):
-            if done >= threshold:
-                chosen = size
-        return chosen
+        done = updates if self.by == "updates" else items_seen
+        return self._sizes[max(0, bisect.bisect_right(self._thresholds, done) - 1)]
 
     def __repr__(self) -> str:
-        steps = " ".join(f"{t:g}:{v:g}" for t, v in self.steps)
-        return (
-            f"StepSchedule.parse({steps!r}, by={self.by!r}, per_micro_step={self.per_micro_step!r})"
-        )
+        steps, per = " ".join(f"{t!r}:{v:g}" for t, v in self.steps), self.per_micro_step
+        return f"StepSchedule.parse({steps!r}, by={self.by!r}, per_micro_step={per!r})"
 
 
 class AdaptiveBatch(Schedule):
     """Grow the window toward the measured gradient noise scale, between ``minimum`` and
-    ``maximum`` (micro-steps with ``every=``, items with ``every_items=``), never shrinking.
-
-    At each boundary after ``warmup`` updates it reads ``opt.noise_scale.value`` (turned on
-    for it: ``accumopt.noise``), the critical batch estimate ``B_simple``, and sets the window
-    to ``fraction * B_simple`` (converted to micro-steps with the last window's batch per
-    micro-step), but at most ``growth`` times the current size, and never less than it. The
-    micro-batch stays what it is: only the number of micro-steps per update changes. The
-    estimate it reads is the wrapper's ``noise_scale`` (``NoiseScale()`` when not given, which
-    measures one window per 16 micro-steps: short windows then see few estimates; pass
-    ``noise_scale=NoiseScale(every_windows=1)`` for one per window).
-
-    Args:
-        minimum, maximum: the bounds (the first window has ``minimum``).
-        fraction: the share of ``B_simple`` to aim at (1.0: the critical batch itself).
-        growth: the largest factor of one change.
-        warmup: updates before the first change (the estimate needs windows to average).
-        every_updates: updates between two changes.
-    """
+    ``maximum`` (micro-steps with ``every=``, items with ``every_items=``), never shrinking:
+    from ``warmup`` updates on, every ``every_updates`` updates, to ``fraction *
+    opt.noise_scale.value`` (in micro-steps: divided by the last window's batch per micro-step),
+    at most ``growth`` times the current size. The wrapper turns ``NoiseScale()`` on if needed.
+    ValueError unless 0 < minimum <= maximum, fraction > 0, growth > 1, every_updates >= 1."""
 
     def __init__(
         self,
@@ -238,34 +165,23 @@ class AdaptiveBatch(Schedule):
         self.fraction, self.growth = fraction, growth
         self.warmup, self.every_updates = warmup, every_updates
         self.current: float = minimum
-        self.decided_at = -1
         self.noise: Any = None
-        self.in_items = False
+        self.decided_at, self.in_items = -1, False
 
     def bind_noise_scale(self, noise: Any, in_items: bool) -> None:
-        """Called by the wrapper: the estimator to read, and the window's unit."""
+        """Called by the wrapper: the estimator to read, and whether the window is in items."""
         self.noise, self.in_items = noise, in_items
 
     def size(self, updates: int, items_seen: float) -> Any:
         due = updates >= self.warmup and (updates - self.warmup) % self.every_updates == 0
         if self.noise is not None and due and updates != self.decided_at:
             self.decided_at = updates  # asked again at the same boundary: the same answer
-            self.current = self._grown(self.noise.value, self.noise.batch_per_micro_step)
+            value = self.noise.value
+            per = 1.0 if self.in_items else self.noise.batch_per_micro_step
+            if value is not None and value > 0 and per:
+                grown = min(self.fraction * value / per, self.current * self.growth, self.maximum)
+                self.current = max(self.current, grown if self.in_items else math.floor(grown))
         return self.current if self.in_items else int(self.current)
-
-    def _grown(self, value: float | None, per_step: float | None) -> float:
-        if value is None or not value > 0:
-            return self.current
-        target = self.fraction * value
-        if not self.in_items:
-            if not per_step:
-                return self.current
-            target = target / per_step
-        assert self.maximum is not None
-        grown = min(target, self.current * self.growth, self.maximum)
-        if not self.in_items:
-            grown = math.floor(grown)
-        return max(self.current, grown)
 
     def state_dict(self) -> dict[str, Any]:
         """The current size and the update it was decided at."""

@@ -1,45 +1,31 @@
-"""Split a nested batch into one piece per device: ``micro_split(batch, devices)``.
-
-Every tensor leaf and every per-sample list is cut along the rows and each piece is moved
-straight to its own device (no staging on the first GPU, unlike ``torch.nn.DataParallel``'s
-scatter); other leaves are handed to every piece unchanged. No sample is dropped or
-duplicated. :class:`PerSample` and :class:`Broadcast` override the rule for one value.
-"""
+"""Split a nested batch into one piece per device, each moved straight to its device (no
+staging on the first GPU, unlike ``torch.nn.DataParallel``'s scatter): :func:`micro_split`."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import torch
 from torch import Tensor
 
 from accumopt import _tree
-from accumopt._tree import Broadcast, PerSample
+from accumopt._tree import Batch, Broadcast, PerSample
 
 __all__ = ["Batch", "Broadcast", "DeviceLike", "PerSample", "Piece", "micro_split"]
-
-Batch: TypeAlias = Any
-"""A tensor, or a nesting (any depth) of dicts, lists, tuples, NamedTuples, Mappings and
-dataclasses with tensor leaves (the rules: :mod:`accumopt._tree`)."""
 
 DeviceLike: TypeAlias = str | torch.device | int
 """``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or an int (a CUDA index)."""
 
 
 class Piece(NamedTuple):
-    """One device's share of a batch, as returned by :func:`micro_split`.
-
-    Attributes:
-        batch: the same nesting (and container types) as the input batch; tensor leaves and
-            per-sample lists hold rows ``i:i+size`` (tensors on ``device``), other leaves are
-            the input's objects.
-        size: rows (samples) in this piece, an int >= 0 (0 only with ``weights=``).
-        device: the device the piece's tensors were moved to.
-    """
+    """One device's share of a batch (:func:`micro_split`): ``batch`` with the input's nesting,
+    rows ``i:i+size`` of its cut leaves (tensors on ``device``); ``size`` >= 0 rows (0 only
+    with ``weights=``)."""
 
     batch: Batch
     size: int
@@ -51,55 +37,31 @@ def micro_split(
 ) -> list[Piece]:
     """Split ``batch`` along dim 0 into one piece per listed device, and move each piece there.
 
-    Every tensor leaf is cut to its rows and moved with ``.to(device, non_blocking=True)``;
-    a dense CPU slice bound for a CUDA device is pinned first, so the copy is asynchronous.
-    Each piece goes straight to its device: nothing is staged on the first GPU. Concatenating
-    the pieces leaf by leaf gives the batch back exactly.
+    Tensor leaves (any kind with a batch dimension), tensor-free lists and tuples of length
+    ``n`` and ``PerSample`` values are cut; other leaves and ``Broadcast`` values go whole to
+    every piece (the rules of :mod:`accumopt._tree`). Tensors are moved with
+    ``.to(device, non_blocking=True)``, a dense CPU slice bound for CUDA pinned first.
 
-    What is cut (the full rules are in :mod:`accumopt._tree`'s docstring):
-
-    - **tensors**, along dim 0: dense ones as views (``leaf[i:j]``), and sparse COO, sparse
-      CSR, batched sparse compressed, nested (jagged or strided) and quantized tensors and
-      tensor subclasses each their own way; 2-D CSC/BSR/BSC and MKL-DNN tensors are refused;
-    - **per-sample sequences**: a ``list`` or ``tuple`` holding no tensor (captions, ids,
-      lists of tokens) whose length equals the batch's rows ``n`` gets ``seq[i:j]``; one of
-      another length is passed whole, as are other non-tensor leaves (ints, strings, None);
-    - **containers**: dict, list, tuple, NamedTuple and other pytree nodes, plus Mapping
-      subclasses (``UserDict``, ``transformers.BatchEncoding``) and dataclass instances, which
-      each piece gets as the same class;
-    - **overrides**: ``PerSample(value)`` is always cut (e.g. a list of tensors of different
-      lengths), ``Broadcast(value)`` never (e.g. a tuple that happens to have ``n`` entries).
-
-    Without ``weights`` the sizes differ by at most one row, the first pieces getting the extra
-    rows (10 rows on 3 devices: 4, 3, 3). With ``weights`` (e.g. for unequal GPUs) piece ``k``
-    gets ``n * weights[k] / sum(weights)`` rows rounded by the largest-remainder method (ties
-    to the earlier device), so every size is within one row of its share and the sizes sum to
-    ``n``; a device whose share rounds down to 0 gets an empty piece (``size == 0``).
+    Without ``weights`` sizes differ by at most one row, the first pieces larger (10 rows on 3
+    devices: 4, 3, 3). With ``weights`` piece ``k`` gets ``n * weights[k] / sum(weights)`` rows
+    by largest remainder (ties to the earlier device); a share that rounds to 0 is empty.
 
     Args:
-        batch: a tensor, or a nesting of any depth as above. All tensor leaves (and
-            ``PerSample`` values) must have the same length ``n`` along dim 0, with
-            ``n >= len(devices)``.
-        devices: one entry per piece, in order: ``"cpu"``, ``"cuda"`` (the current CUDA
-            device), ``"cuda:1"``, a ``torch.device``, or an int (CUDA index). A device may
-            be listed more than once.
-        weights: optional positive finite numbers, one per device: the relative share of rows.
+        batch: a tensor or a nesting whose tensor leaves share ``n >= len(devices)`` rows.
+        devices: one per piece: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` or an
+            int CUDA index; repeats are allowed.
+        weights: optional positive finite numbers, one per device: relative shares of rows.
 
     Returns:
-        ``[Piece(batch, size, device), ...]``, one per listed device, in order.
-
-    Shapes:
-        leaf ``(n, ...)`` -> piece leaves ``(size_k, ...)`` with ``sum(size_k) == n``; dtypes,
-        layouts and tensor subclasses are kept; per-sample sequences of ``n`` -> ``size_k``.
+        ``[Piece(batch, size, device), ...]`` in device order, ``sum(size) == n``; dtypes,
+        layouts and subclasses kept.
 
     Raises:
-        TypeError: ``devices`` is not a list, or has an entry of another type; no tensor
-            leaf in ``batch``; a tensor of a kind whose rows cannot be cut, or that torch
-            cannot move; a Mapping or dataclass that cannot be rebuilt; ``weights`` is not a
-            list of numbers.
-        ValueError: an empty batch, fewer rows than devices, leaves of different lengths, a
-            0-dim tensor leaf; an unknown device string, a CUDA device without CUDA or out of
-            range; ``weights`` of the wrong length, not positive or not finite.
+        TypeError: ``devices`` or ``weights`` not a list, a device of another type; the batch
+            errors of :func:`accumopt._tree.batch_size`; a leaf torch cannot cut or move.
+        ValueError: fewer rows than devices; an unknown device, CUDA not available or an index
+            out of range; ``weights`` of the wrong length, not positive or not finite; the
+            batch errors of :func:`accumopt._tree.batch_size`.
 
     Example:
         >>> pieces = micro_split({"x": torch.zeros(5, 3), "tag": "train"}, ["cpu", "cpu"])
@@ -108,10 +70,6 @@ def micro_split(
         >>> batch = {"img": torch.zeros(4, 3), "txt": ["a", "b", "c", "d"], "size": (1, 2)}
         >>> [(p.batch["txt"], p.batch["size"]) for p in micro_split(batch, ["cpu", "cpu"])]
         [(['a', 'b'], (1, 2)), (['c', 'd'], (1, 2))]
-
-    References:
-        padertorch's trainer (one example per GPU, moved directly to its device) and
-        ``torch.nn.DataParallel`` (``scatter``, which stages on the first GPU).
     """
     targets = _check_devices(devices)
     shares = _check_weights(weights, len(targets))
@@ -122,12 +80,9 @@ def micro_split(
             f"micro_split: the batch has {n} rows for {len(targets)} devices; expected at least "
             "one row per device. List fewer devices, or pass a larger batch."
         )
-    pieces: list[Piece] = []
-    start = 0
-    for device, size in zip(targets, _sizes(n, shares)):
-        pieces.append(Piece(rows_of.cut(start, start + size, device), size, device))
-        start += size
-    return pieces
+    sizes = _sizes(n, shares)
+    starts = itertools.accumulate(sizes, initial=0)
+    return [Piece(rows_of.cut(i, i + k, d), k, d) for d, k, i in zip(targets, sizes, starts)]
 
 
 def _sizes(n: int, shares: list[Fraction]) -> list[int]:

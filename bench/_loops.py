@@ -444,9 +444,15 @@ def make_runner(model: nn.Module, n: int, micro: int | None) -> MicroBatchRunner
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every_items=n, model=model)
     if micro is None:
         return MicroBatchRunner(
-            opt, lambda b: sum_loss(model, b), micro_batch_size="auto", grow_after=None
+            opt,
+            lambda b: sum_loss(model, b),
+            micro_batch_size="auto",
+            grow_after=None,
+            loss_reduction="sum",
         )
-    return MicroBatchRunner(opt, lambda b: sum_loss(model, b), micro_batch_size=micro)
+    return MicroBatchRunner(
+        opt, lambda b: sum_loss(model, b), micro_batch_size=micro, loss_reduction="sum"
+    )
 
 
 def runner_fixed_window(model: nn.Module, batch: Batch, micro: int) -> Window:

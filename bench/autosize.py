@@ -116,7 +116,11 @@ def run_accumopt(net: Net, x: Tensor, y: Tensor, sizes: list[int]) -> int:
     """accumopt's in-training search on batches of ``START`` rows; the settled size."""
     opt = Accumulate(torch.optim.SGD(net.parameters(), lr=LR), every_items=START)
     runner = MicroBatchRunner(
-        opt, lambda b: sum_loss(net, b), micro_batch_size="auto", start_size=START
+        opt,
+        lambda b: sum_loss(net, b),
+        micro_batch_size="auto",
+        start_size=START,
+        loss_reduction="sum",
     )
     return settle(runner, (x[:START], y[:START]), sizes, MAX_BATCHES).size
 

@@ -5,11 +5,11 @@
 with a second copy of the loop without it (the A/A ratio), on the "100 tensors" and the
 "compute-heavy MLP" workloads of ``_loops.py`` at k = 4 and 8. The estimate adds two
 squared-norm passes over the gradients per measured window (first micro-step, boundary;
-``accumopt._squares``: on a CPU, small gradients stacked by shape and dotted, 0.1-0.2 ms per
-measured window for the 100 tensors inside the loop; large ones one norm per tensor) and a few
-small tensor ops at the boundary: its per-micro-step cost is the ratio, per window of k. The
-100-tensor model runs with the default (``every_windows=None``: one window per 16 micro-steps
-measured, one in 4 at k = 4, one in 2 at k = 8) and with every window measured
+``accumopt.noise.SquaredNorm``: on a CPU, small gradients stacked by shape and dotted, 0.1-0.2
+ms per measured window for the 100 tensors inside the loop; large ones one norm per tensor) and
+a few small tensor ops at the boundary: its per-micro-step cost is the ratio, per window of k.
+The 100-tensor model runs with the default (``every_windows=None``: one window per 16
+micro-steps measured, one in 4 at k = 4, one in 2 at k = 8) and with every window measured
 (``every_windows=1``); the compute-heavy MLP with every window measured.
 
 Target (the noise-scale issue): 1.01 per micro-step.

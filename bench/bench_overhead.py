@@ -7,8 +7,9 @@ k = 8; accumopt's two ways of counting are measured at k = 1 too (one micro-step
 hand loop is then plain ``loss.backward()``, so this is accumopt's cost on a loop that does not
 accumulate at all).
 
-Targets: accumopt (either way of counting) within 1.04x of the hand loop, the README's claim;
-the peers are measured, not judged. Rows that miss today are marked xfail with the reason.
+Targets (issue 31): accumopt on the tiny MLP within 1.05x of the hand loop at k = 8 and 1.10x
+at k = 1; on the 100-tensor and compute-heavy models within 1.03x; the peers are measured, not
+judged. Rows that miss today are marked xfail with the reason.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ TABLE = "overhead"
 #: counted rounds per model (a round runs three windows; the compute-heavy one takes ~0.2 s)
 ROUNDS = {TINY: 61, HUNDRED: 41, HEAVY: 11}
 WARMUP = {TINY: 3, HUNDRED: 3, HEAVY: 1}
-TARGET = 1.04  # README: "within 1.04x of the hand loop"
-CLAIM = "README's 1.04x claim, not met by this way of counting on this model yet"
+TARGETS = {(TINY, 8): 1.05, (TINY, 1): 1.10}  # issue 31; 1.03 on every other (model, k)
+CLAIM = "issue 31's target, not met by this way of counting on this model yet"
 ID = {TINY: "tiny", HUNDRED: "100t", HEAVY: "heavy"}
 
 #: (contender, model, k) triples that miss their target on the current code (the default on
@@ -85,6 +86,6 @@ def test_overhead(
         contender=lambda n: contender_window(name, copy.deepcopy(work.model), work.batches, n),
         rounds=ROUNDS[model],
         warmup=WARMUP[model],
-        target=TARGET if name in (ACCUMOPT, ACCUMOPT_MODEL) else None,
+        target=TARGETS.get((model, k), 1.03) if name in (ACCUMOPT, ACCUMOPT_MODEL) else None,
         extra={"description": work.description},
     )

@@ -7,7 +7,7 @@ value. ``g_ref`` is the float64 gradient of the same (bf16-representable) weight
 so only arithmetic rounding is measured.
 
 Also times one window of 64 bf16 micro-steps with the buffer off (twice: an A/A pair), on,
-and on with ``nonfinite="skip_micro_batch"``, each configuration on its own copy of the model,
+and on with ``nonfinite="skip_window"``, each configuration on its own copy of the model,
 in interleaved rounds (all four once per round, in a fresh random order; garbage collection
 off; thread CPU clock): medians of the per-round ratios to "buffer off".
 
@@ -79,7 +79,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "buffer off": {"buffer": False},
     "buffer off (A/A)": {"buffer": False},
     "buffer on": {"buffer": True},
-    "buffer on, skip_micro_batch": {"buffer": True, "nonfinite": "skip_micro_batch"},
+    "buffer on, skip_window": {"buffer": True, "nonfinite": "skip_window"},
 }
 
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"each configuration on its own copy of the model, in {args.rounds} interleaved rounds "
         "(random order each round); thread CPU clock, medians, ratios per round to buffer off "
         "(interquartile range in brackets; the A/A row is a second buffer-off copy). "
-        "`skip_micro_batch` adds a check and a host sync per micro-step; with nonfinite=None "
+        "`skip_window` adds one check and host sync per window; with nonfinite=None "
         "no check runs.\n\n"
         + markdown_table(["configuration", "ms per window", "ratio to buffer off"], timing_rows)
     )

@@ -123,11 +123,11 @@ def train(
     x_train = x_train.to(dtype)
     opt = Accumulate(digits.make_optimizer(model, args.lr), every_items=args.batch, model=model)
 
-    def loss_fn(batch: tuple[Tensor, Tensor]) -> Tensor:
+    def loss_fn(batch: tuple[Tensor, Tensor]) -> Tensor:  # the micro-batch's mean loss
         x, y = batch
-        return F.cross_entropy(model(x), y, reduction="sum")
+        return F.cross_entropy(model(x), y)
 
-    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto")
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto", loss_reduction="mean")
     gen = torch.Generator().manual_seed(args.seed)
     with memory_limit(model, limit), logging_redirect_tqdm():
         bar = tqdm(range(epochs), desc=desc, unit="epoch")

@@ -172,7 +172,9 @@ def accumulated_grad(model: nn.Module, window: list[list[Tensor]], weighted: boo
         opt.step()
         opt.zero_grad()
     assert opt.will_update, "the window should close on its last micro-batch"
-    return flat_grad(model)
+    grad = flat_grad(model)
+    opt.discard()  # measured, not applied
+    return grad
 
 
 def compare_window(model: nn.Module, window: list[list[Tensor]]) -> tuple[float, float]:

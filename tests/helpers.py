@@ -102,3 +102,21 @@ def torchrun_example(script: str, *args: str, timeout_s: float = 300) -> str:
     exit_abort = "terminate called without an active exception" in run.stderr
     assert run.returncode == 0 or (exit_abort and finished), run.stderr[-3000:]
     return run.stdout
+
+
+def entry_of(state: dict[str, Any]) -> dict[str, Any]:
+    """The wrapper's checkpoint entry of a state dict (unpacked from param group 0)."""
+    from accumopt._checkpoint import entry_of as unpack
+
+    found = unpack(state)
+    assert found is not None
+    return found
+
+
+def with_entry(state: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` whose checkpoint entry is ``entry`` (packed as state_dict() does)."""
+    from accumopt._checkpoint import KEY, pack
+
+    groups = [dict(g) for g in state["param_groups"]]
+    groups[0][KEY] = pack(entry)
+    return {**state, "param_groups": groups}

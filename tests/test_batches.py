@@ -152,7 +152,9 @@ def test_per_sample_sequences_reach_every_api() -> None:
 
     model = torch.nn.Linear(2, 1)
     opt = Accumulate(torch.optim.SGD(model.parameters(), 0.1), every=3)
-    MicroBatchRunner(opt, lambda piece: check(model, piece), micro_batch_size=2)(batch)
+    MicroBatchRunner(
+        opt, lambda piece: check(model, piece), micro_batch_size=2, loss_reduction="sum"
+    )(batch)
     parallel_backward(torch.nn.Linear(2, 1), lambda m, p: check(m, p) / len(p["x"]), batch, CPU2)
     other = torch.nn.Linear(2, 1)
 
@@ -488,7 +490,9 @@ def test_runner_joins_output_dicts_whose_keys_come_in_another_order() -> None:
             outs = {"rows": outs["rows"], "logits": outs["logits"]}
         return out.sum(), b.shape[0], outs
 
-    _, joined = MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+    _, joined = MicroBatchRunner(opt, loss_fn, micro_batch_size=3, loss_reduction="sum")(
+        x, return_outputs=True
+    )
     assert list(joined) == ["logits", "rows"]
     assert torch.equal(joined["rows"], x)
 
@@ -506,7 +510,9 @@ def test_runner_refuses_other_output_keys_before_the_micro_batch_is_counted() ->
         return out.sum(), b.shape[0], {key: out.detach()}
 
     with pytest.raises(ValueError, match="nested differently"):
-        MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=3, loss_reduction="sum")(
+            x, return_outputs=True
+        )
     assert opt.micro_step == 1 and opt.items == 3  # the second micro-batch was not counted
 
 
@@ -524,7 +530,7 @@ def test_runner_refuses_outputs_it_cannot_join_before_the_first_backward_pass() 
         out = model(b)
         return out.sum(), b.shape[0], out.detach().to_sparse_csc()
 
-    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=3)
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=3, loss_reduction="sum")
     with pytest.raises(TypeError, match=r"sparse_csc tensor.*were not"):
         runner(x, return_outputs=True)
     assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())
@@ -553,7 +559,9 @@ def test_runner_refuses_outputs_that_cannot_join_the_first_ones_before_backward(
         return out.sum(), b.shape[0], {"pad": pad}
 
     with pytest.raises(ValueError, match=r"outputs\['pad'\].*cannot be concatenated.*were not"):
-        MicroBatchRunner(opt, loss_fn, micro_batch_size=3)(x, return_outputs=True)
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=3, loss_reduction="sum")(
+            x, return_outputs=True
+        )
     assert opt.micro_step == 1 and opt.updates == 0
 
 
@@ -572,7 +580,7 @@ def test_runner_joins_a_legacy_empty_output_and_refuses_other_widths_of_any_kind
             out = model(b)
             return out.pow(2).sum(), len(b), output(out.detach(), opt.micro_step)
 
-        return opt, MicroBatchRunner(opt, loss_fn, micro_batch_size=2)
+        return opt, MicroBatchRunner(opt, loss_fn, micro_batch_size=2, loss_reduction="sum")
 
     x = torch.randn(5, 4, dtype=torch.float64)
     opt, runner = run(lambda out, k: torch.empty(0, dtype=out.dtype) if k == 1 else out)
@@ -611,7 +619,7 @@ def test_runner_compares_outputs_after_a_first_legacy_empty_one() -> None:
         return out.pow(2).sum(), len(b), o
 
     with pytest.raises(ValueError, match="cannot be concatenated"):
-        MicroBatchRunner(opt, loss_fn, micro_batch_size=2)(
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=2, loss_reduction="sum")(
             torch.randn(6, 4, dtype=torch.float64), return_outputs=True
         )
     assert opt.micro_step == 2 and opt.updates == 0

@@ -20,7 +20,9 @@ def bn_model() -> nn.Module:
 def test_small_micro_batches_warn_once_per_model() -> None:
     model = bn_model()
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=32)
-    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), micro_batch_size=4, model=model)
+    runner = MicroBatchRunner(
+        acc, lambda b: model(b).sum(), micro_batch_size=4, model=model, loss_reduction="sum"
+    )
     with pytest.warns(UserWarning, match=r"micro-batches of 4 rows pass through 1 BatchNorm"):
         runner(torch.randn(16, 4))
     with warnings.catch_warnings():

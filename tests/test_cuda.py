@@ -124,6 +124,7 @@ def test_cuda_auto_size_recovers_from_real_oom_and_keeps_every_sample() -> None:
         lambda b: F.mse_loss(model(b[0]), b[1], reduction="sum"),
         micro_batch_size="auto",
         device="cuda",
+        loss_reduction="sum",
     )
     torch.cuda.empty_cache()
     cap = 0.5 * 2**30 / torch.cuda.get_device_properties(0).total_memory
@@ -152,7 +153,11 @@ def test_cuda_runner_fixed_size_from_host_memory_equals_the_full_batch() -> None
     ref_opt.step()
     acc = Accumulate(torch.optim.Adam(model.parameters(), lr=0.01), every_items=len(x))
     runner = MicroBatchRunner(
-        acc, lambda b: mse_sum(model, b[0], b[1]), micro_batch_size=5, device="cuda"
+        acc,
+        lambda b: mse_sum(model, b[0], b[1]),
+        micro_batch_size=5,
+        device="cuda",
+        loss_reduction="sum",
     )
     runner((x.pin_memory(), y.pin_memory()))
     assert acc.updates == 1

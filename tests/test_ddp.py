@@ -145,7 +145,7 @@ def worker(rank: int, scenario: str, mode: str) -> tuple[Any, ...]:
                 opt.step()
             opt.zero_grad()
     assert opt.updates == WINDOWS, opt.updates
-    return plain(ddp), dict(calls), opt._ranks.all_reduces  # type: ignore[union-attr]
+    return plain(ddp), dict(calls), opt._sync.all_reduces  # type: ignore[union-attr]
 
 
 def run_auto(
@@ -165,7 +165,7 @@ def run_auto(
     windows = layout(scenario)
     rows = sum(b - a for r in windows[0] for a, b in r)
     opt = Accumulate(inner, every_items=rows, model=None if later else ddp)
-    runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum())
+    runner = MicroBatchRunner(opt, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum(), loss_reduction="sum")
     if later:
         opt.set_model(ddp)
     limit = 5 if rank == 0 else 10**6

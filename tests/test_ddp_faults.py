@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import io
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 from helpers import scenarios_on_ranks
 from torch import nn
 
-DATA = Path(__file__).parent / "data"
 Rows = list[tuple[int, int]]  # per rank: (start, stop)
 
 
@@ -133,38 +131,15 @@ def schedule_raising_on_one_rank(rank: int) -> Any:
     return [p.detach().flatten().tolist() for p in ddp.parameters()], opt.updates, failed
 
 
-FORMAT1 = [[(0, 3), (3, 8)], [(8, 10), (10, 16)]]  # the window the fixtures were saved in
-
-
-def format_1_checkpoint_resumes(rank: int) -> Any:
-    """A mid-window DDP checkpoint of accumopt 0.1.0 (format 1: items summed over the ranks)
-    resumed by today's code, which sums the window's items at the boundary."""
-    from accumopt import Accumulate
-
-    saved = torch.load(DATA / f"ddp_format1_rank{rank}.pt", weights_only=False)
-    base = net()
-    base.load_state_dict(saved["m"])
-    ddp = nn.parallel.DistributedDataParallel(base)
-    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=2, model=ddp)
-    opt.load_state_dict(saved["o"])
-    x, y = data(40)
-    a, b = FORMAT1[1][rank]
-    opt.backward(((ddp(x[a:b]) - y[a:b]) ** 2).sum(), items=b - a)
-    opt.step()
-    return [p.detach().flatten().tolist() for p in ddp.parameters()]
-
-
 def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     """Each rank saves after the window's first micro-step. Resumed into new wrappers, each
     from its own state dict: the window finishes exactly. Every rank given rank 0's (what a
     framework that saves rank 0's optimizer state alone does): rank 1 refuses it; with
-    ``owners_agree`` (the ranks agree through an all-reduce, as Lightning's callback does
-    through its strategy), rank 0 refuses it too, and both refuse one that records no rank
-    (written before windows recorded it). The refusals' messages come back."""
+    ``agree_on_loads`` (the ranks agree through an all-reduce, as Lightning's callback does
+    through its strategy), rank 0 refuses it too. The refusals' messages come back."""
     import torch.distributed as dist
 
     from accumopt import Accumulate
-    from accumopt._entry_checks import owners_agree
 
     def wrapper() -> tuple[nn.Module, Any]:
         ddp = nn.parallel.DistributedDataParallel(net())
@@ -180,13 +155,12 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     own = copy.deepcopy(opt.state_dict())
     shared = [own]
     dist.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
-    unrecorded = copy.deepcopy(shared[0])  # as written before windows recorded their rank
-    del unrecorded["accumopt"]["window"]["rank"]
     refused = []
-    for agree, state in ((False, shared[0]), (True, shared[0]), (True, unrecorded)):
+    for agree in (False, True):
+        state = shared[0]
         _, late = wrapper()
         if agree:
-            late.register_load_state_dict_pre_hook(owners_agree(all_ranks))
+            late.agree_on_loads(all_ranks)
         try:
             late.load_state_dict(copy.deepcopy(state))
             refused.append(None)
@@ -203,7 +177,6 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
 SCENARIOS: dict[str, Callable[[int], Any]] = {
     "scaler_inf": grad_scaler_inf_on_one_rank,
     "load_live_flush": load_into_the_live_wrapper_then_flush,
-    "format1": format_1_checkpoint_resumes,
     "own_window": each_rank_loads_its_own_window_or_refuses_rank_0s,
     "schedule_one_rank": schedule_raising_on_one_rank,
 }
@@ -238,20 +211,6 @@ def test_ddp_checkpoint_loaded_into_the_live_wrapper_then_flushed_is_exact(
 
 
 @pytest.mark.slow
-def test_ddp_format_1_checkpoint_counts_its_items_once(results: list[dict[str, Any]]) -> None:
-    x, y = data(40)
-    model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rows = [r for m in FORMAT1 for r in m]
-    loss = sum(((model(x[a:b]) - y[a:b]) ** 2).sum() for a, b in rows)
-    (loss / sum(b - a for a, b in rows)).backward()  # type: ignore[operator]
-    opt.step()
-    expected = [p.detach().flatten().tolist() for p in model.parameters()]
-    for r in results:
-        assert_close(r["format1"], expected)
-
-
-@pytest.mark.slow
 def test_ddp_each_rank_resumes_its_own_window_and_refuses_another_ranks(
     results: list[dict[str, Any]],
 ) -> None:
@@ -262,7 +221,6 @@ def test_ddp_each_rank_resumes_its_own_window_and_refuses_another_ranks(
     assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[0]
     assert "another rank refused the checkpoint's open window" in refused0[1]
     assert "saved by rank 0 of 2, and is loaded on rank 1 of 2" in refused1[1]
-    assert all("records no rank" in r[2] for r in (refused0, refused1))
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ CONSTRUCTION_ERRORS: list[tuple[str, Callable[[], Any], type[Exception], str]] =
         "already wrapped",
         lambda: Accumulate(Accumulate(sgd(), every=2), every=2),
         TypeError,
-        r"already an AccumulatingOptimizer",
+        r"already an Accumulate",
     ),
     (
         "lbfgs",

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+from helpers import entry_of
 from torch import nn
 
 from accumopt import Accumulate
@@ -64,7 +65,7 @@ def test_state_dict_while_counting_is_paused_is_refused() -> None:
     with pytest.raises(RuntimeError, match="failed part-way"):
         acc.state_dict()
     acc.discard()
-    assert acc.state_dict()["accumopt"]["window"] is None
+    assert entry_of(acc.state_dict())["state"]["micro_step"] == 0
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo: it cannot trace the callback
@@ -91,22 +92,19 @@ class _FailsOnce(torch.optim.SGD):
         return super().step(closure)
 
 
-@pytest.mark.parametrize(("amp", "retry"), [(False, "step"), (True, "scaler"), (True, "step")])
-def test_an_exception_in_the_inner_step_leaves_the_window_intact_and_step_retries_it(
-    amp: bool, retry: str
-) -> None:
-    """The retry applies the window, unscaled and clipped once, and the next window is exact:
-    retried with a plain opt.step() under AMP, the wrapper kept the grad_scale and found_inf
-    that the raising scaler.step had set, and unscaled the next window's first micro-step a
-    second time (rel 0.38, silently; found by the fault sweep)."""
+@pytest.mark.parametrize("amp", [False, True])
+def test_an_exception_in_the_inner_step_leaves_the_wrapper_broken_until_discard(amp: bool) -> None:
+    """The inner step raises before its update (an OOM while Adam allocates its state): the
+    wrapper refuses everything until discard(), which drops the window; the next window is
+    exact, under AMP too (a plain opt.step() after a raising scaler.step kept the grad_scale and
+    found_inf that scaler.step had set, and unscaled the next window twice: rel 0.38)."""
     x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
     ref = _mlp(3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for xw, yw in zip(x.split(6), y.split(6)):
-        ref_opt.zero_grad()
-        ((ref(xw) - yw) ** 2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        ref_opt.step()
+    ref_opt.zero_grad()
+    ((ref(x[6:]) - y[6:]) ** 2).mean().backward()  # the first window was dropped
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    ref_opt.step()
 
     model = _mlp(3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1) if amp else None
@@ -121,12 +119,14 @@ def test_an_exception_in_the_inner_step_leaves_the_window_intact_and_step_retrie
             acc.step() if scaler is None else scaler.step(acc)
         except torch.OutOfMemoryError:
             failed += 1
-            assert acc.will_update and acc.micro_step == 2  # the window is intact
-            scaler.step(acc) if retry == "scaler" else acc.step()  # type: ignore[union-attr]
+            with pytest.raises(RuntimeError, match="failed part-way"):
+                acc.step()
+            acc.discard()
+            assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
         if scaler is not None:
             scaler.update()
         acc.zero_grad()
-    assert failed == 1 and acc.updates == 2 and acc.did_update
+    assert failed == 1 and acc.updates == 1 and acc.did_update
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
 
@@ -212,62 +212,6 @@ def test_max_grad_norm_over_a_sparse_embedding_clips_like_the_dense_reference() 
         acc.zero_grad()
     assert acc.updates == 1
     torch.testing.assert_close(sparse.weight, dense.weight, rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("micro_step", -1),
-        ("micro_step", 0),
-        ("items", float("nan")),
-        ("items", -2.0),
-        ("closed", "yes"),
-        ("unfolded", -3),
-    ],
-)
-def test_a_tampered_checkpoint_window_is_refused_and_changes_nothing(
-    field: str, value: object
-) -> None:
-    model = _mlp(6)
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
-    opt.backward(model(torch.randn(2, 3, dtype=torch.float64)).sum(), items=2)
-    opt.step()
-    state = copy.deepcopy(opt.state_dict())
-    state["accumopt"]["window"][field] = value
-    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match=f"{field}="):
-        opt.load_state_dict(state)
-    assert opt.micro_step == 1 and opt.items == 2.0
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
-
-
-def test_a_second_thread_stepping_the_wrapper_is_refused_on_every_thread() -> None:
-    import threading
-
-    model = _mlp(7)
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
-    x = torch.randn(2, 3, dtype=torch.float64)
-    model(x).sum().backward()
-    acc.step()  # the main thread drives the wrapper
-    caught: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            model(x).sum().backward()
-            acc.step()
-        except RuntimeError as err:
-            caught.append(err)
-
-    worker = threading.Thread(target=other)
-    worker.start()
-    worker.join()
-    assert caught and "second thread" in str(caught[0])
-    with pytest.raises(RuntimeError, match="second thread"):  # the main thread is told too
-        acc.backward(model(x).sum())
-    acc.discard()
-    model(x).sum().backward()
-    acc.step()
-    assert acc.micro_step == 1
 
 
 def test_with_amp_a_micro_step_that_reaches_no_wrapped_parameter_counts_with_zero_gradient() -> (

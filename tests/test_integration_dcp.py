@@ -4,20 +4,16 @@ process and on 2 gloo ranks (FSDP2, DDP); what cannot be exact is refused with w
 
 Every resumed run is compared with ``torch.equal`` against the same run never interrupted,
 float64, weighted ragged micro-batches. DCP's ``_init_optim_state`` steps a fresh optimizer
-once; the wrapper must recognise that step (``AccumulatingOptimizer._step`` calling
-``accumopt._checkpoint.dcp_init_step``): the tests that need it are skipped until it does.
+once; the wrapper recognises that step. The entry travels in param group 0, one key per rank,
+so flattened optimizer state dicts keep it too.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import inspect
-import io
 import math
 import os
 from collections.abc import Callable, Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +41,6 @@ INNER: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-@cache
-def facade_ready() -> bool:
-    """Whether ``step()`` recognises DCP's state initialisation on a fresh wrapper."""
-    model = nn.Linear(2, 1)
-    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
-    try:
-        get_optimizer_state_dict(model, opt)
-    except RuntimeError as err:
-        return "no backward pass" not in str(err)
-    return True
-
-
-NEEDS_FACADE = (
-    "needs AccumulatingOptimizer._step to call accumopt._checkpoint.dcp_init_step first "
-    "(DCP's _init_optim_state steps a fresh optimizer; today the wrapper refuses that step)"
-)
 
 
 def net(seed: int = 3) -> nn.Module:
@@ -171,19 +149,12 @@ def resumed(inner: str, point: str, target: str, via: Path | None) -> None:
     assert_same_run(ref, ref_opt, dst, dst_opt)
 
 
-def _skip_without_facade(inner: str, point: str, target: str) -> None:
-    # a fresh wrapper, and a stateless SGD between windows, go through DCP's init step
-    if not facade_ready() and (target == "fresh" or (inner == "sgd" and point == "boundary")):
-        pytest.skip(NEEDS_FACADE)
-
-
 @pytest.mark.parametrize("target", ["fresh", "trained"])
 @pytest.mark.parametrize("point", list(POINTS))
 @pytest.mark.parametrize("inner", list(INNER))
 def test_dcp_get_set_optimizer_state_dict_resumes_bit_for_bit(
     inner: str, point: str, target: str
 ) -> None:
-    _skip_without_facade(inner, point, target)
     resumed(inner, point, target, via=None)
 
 
@@ -192,13 +163,10 @@ def test_dcp_get_set_optimizer_state_dict_resumes_bit_for_bit(
 def test_dcp_save_load_directory_mid_window_resumes_bit_for_bit(
     point: str, target: str, tmp_path: Path
 ) -> None:
-    _skip_without_facade("adamw", point, target)
     resumed("adamw", point, target, via=tmp_path / "ckpt")
 
 
 def test_dcp_init_step_on_a_fresh_wrapper_is_the_bare_optimizers() -> None:
-    if not facade_ready():
-        pytest.skip(NEEDS_FACADE)
     bare_model, model = net(), net()
     bare = INNER["adamw"](bare_model.parameters())
     opt = Accumulate(INNER["adamw"](model.parameters()), every=1)
@@ -215,17 +183,6 @@ def test_dcp_init_step_on_a_fresh_wrapper_is_the_bare_optimizers() -> None:
     assert all(torch.equal(p, q) for p, q in zip(bare_model.parameters(), model.parameters()))
 
 
-def test_dcp_private_torch_names_accumopt_relies_on_are_there() -> None:
-    """accumopt.integrations.dcp recognises DCP by these: the module calling state_dict(),
-    its function's local ``info`` with the flattening option, and the init step's function."""
-    import torch.distributed.checkpoint.state_dict as dcp_sd
-
-    assert list(inspect.signature(dcp_sd._get_optim_state_dict).parameters)[-1] == "info"
-    fields = {f.name for f in dataclasses.fields(dcp_sd._StateDictInfo)}
-    assert "flatten_optimizer_state_dict" in fields
-    assert callable(dcp_sd._init_optim_state)
-
-
 def trained_pair() -> tuple[nn.Module, Accumulate]:
     """A wrapper with inner state, one micro-step into its second window (no DCP init step)."""
     model = net()
@@ -234,13 +191,21 @@ def trained_pair() -> tuple[nn.Module, Accumulate]:
     return model, opt
 
 
-def test_dcp_flattened_optimizer_state_dict_is_refused_at_save() -> None:
-    model, opt = trained_pair()
+def test_dcp_flattened_optimizer_state_dict_resumes_mid_window_bit_for_bit() -> None:
+    """``flatten_optimizer_state_dict=True`` (torchtitan's setting) rebuilds the loaded dict
+    from the live optimizer's keys: the live param group 0 carries the entry's key."""
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    with pytest.raises(ValueError, match=r"flatten_optimizer_state_dict=False \(the default\)"):
-        get_optimizer_state_dict(model, opt, options=flat)
-    assert opt.micro_step == 1  # nothing changed: the plain form still saves it
-    assert opt.state_dict()["accumopt"]["window"]["micro_step"] == 1
+    model, opt = trained_pair()
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=flat))
+    params = copy.deepcopy(model.state_dict())
+    train(model, opt, 5, 12)
+    resumed = net()
+    resumed.load_state_dict(params)
+    fresh = wrapper(resumed, "adamw")
+    set_optimizer_state_dict(resumed, fresh, saved, options=flat)
+    assert (fresh.micro_step, fresh.updates) == (1, 1)
+    train(resumed, fresh, 5, 12)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
 
 
 def _load_refused(packed: bytes, match: str) -> None:
@@ -299,11 +264,14 @@ def _rank_resume(rank: int, kind: str, stop: float, swap: bool = False, **kw: An
     dcp.save(saved, checkpoint_id=path)
     sd = {"model": get_model_state_dict(dst), "optim": get_optimizer_state_dict(dst, dst_opt)}
     dcp.load(sd, checkpoint_id=path)
-    packed = sd["optim"]["param_groups"][0]["accumopt"]
-    if swap:
-        outer, buffer = torch.load(io.BytesIO(packed), weights_only=True), io.BytesIO()
-        torch.save({**outer, "entries": outer["entries"][::-1]}, buffer)
-        sd["optim"]["param_groups"][0]["accumopt"] = buffer.getvalue()
+    key = "accumopt" if rank == 0 else f"accumopt.rank{rank}"
+    packed = sd["optim"]["param_groups"][0][key]
+    if swap:  # each rank is handed the other rank's entry under its own key
+        import torch.distributed as dist
+
+        both: list[Any] = [None, None]
+        dist.all_gather_object(both, packed)
+        sd["optim"]["param_groups"][0][key] = both[1 - rank]
         with pytest.raises(ValueError) as refused:
             set_optimizer_state_dict(dst, dst_opt, sd["optim"])
         return str(refused.value), dst_opt.micro_step
@@ -347,8 +315,6 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
-    if not facade_ready():
-        pytest.skip(NEEDS_FACADE)
     os.environ["ACCUMOPT_TEST_DCP"] = str(tmp_path_factory.mktemp("dcp"))  # the ranks inherit it
     try:
         yield scenarios_on_ranks(__name__, "SCENARIOS", timeout_s=60)
@@ -390,10 +356,10 @@ def test_dcp_fsdp2_unreduced_window_is_refused_at_save(ranks: list[dict[str, Any
 def test_dcp_window_of_another_sharding_is_refused_at_load(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         error, micro_step = r["fsdp_other_shards"]
-        assert "this rank's shard has shape" in error and micro_step == 0
+        assert "and is loaded on rank" in error and micro_step == 0  # each rank's own window
 
 
 @pytest.mark.slow
 def test_dcp_window_saved_on_other_ranks_is_refused_at_load(ranks: list[dict[str, Any]]) -> None:
     packed = ranks[0]["ddp_mid_window"][3]
-    _load_refused(packed, r"saved mid-window on 2 rank\(s\), this wrapper trains on 1")
+    _load_refused(packed, "saved by rank 0 of 2, and is loaded on rank 0 of 1")

@@ -13,6 +13,7 @@ float64 comparison near 1e-8; the models here use the same loss in float64 (``f6
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import os
@@ -670,7 +671,7 @@ def test_hf_trainer_refuses_two_different_clipping_norms() -> None:
 
 
 def test_hf_trainer_refuses_what_is_not_an_optimizer() -> None:
-    with tempfile.TemporaryDirectory() as tmp, pytest.raises(TypeError, match="is a str"):
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(TypeError, match="got str"):
         small_trainer(tmp, lambda m: "adamw")
 
 
@@ -695,7 +696,9 @@ def test_hf_trainer_micro_batch_runner_in_training_step_raises() -> None:
                 n = int((batch["labels"] != -100).sum())
                 return out["loss"] * n, n
 
-            runner = MicroBatchRunner(self.accumulate, loss_fn, micro_batch_size=1)
+            runner = MicroBatchRunner(
+                self.accumulate, loss_fn, micro_batch_size=1, loss_reduction="sum"
+            )
             return runner(self._prepare_inputs(inputs))  # 2 micro-steps per Trainer batch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -703,7 +706,12 @@ def test_hf_trainer_micro_batch_runner_in_training_step_raises() -> None:
         trainer.__class__ = RunnerTrainer
         with pytest.raises(RuntimeError, match=r"about to update inside .*MicroBatchRunner"):
             trainer.train()
-    assert trainer.accumulate.updates == 0  # refused before the inner step: nothing applied
+        opt = trainer.accumulate
+        assert opt.updates == 0  # refused before the inner step: nothing applied
+        opt.discard()  # the same wrapper in a new trainer: the first one's refusal is gone
+        kwargs = {"train_dataset": trainer.train_dataset, "data_collator": collate}
+        AccumulateTrainer(trainer.model, trainer.args, optimizers=(opt, None), **kwargs).train()
+    assert opt.updates == EPOCHS * 2
 
 
 def test_hf_trainer_count_items_needs_a_tensor() -> None:
@@ -729,27 +737,138 @@ def test_hf_trainer_refuses_a_trainer_without_the_hooks_it_overrides() -> None:
     hf_trainer.check_trainer_hooks(Trainer)
 
 
-@pytest.mark.parametrize("steps", [1, EVERY])
-def test_hf_trainer_plain_trainer_with_accumulate_fails_loudly(steps: int) -> None:
+@pytest.mark.parametrize(
+    ("steps", "samples", "epochs", "refusal"),
+    [
+        (1, 9, EPOCHS, "replaced or cleared"),
+        (EVERY, 9, EPOCHS, "accumulates gradients around the wrapper"),
+        (1, MICRO, 1, None),
+    ],
+    ids=["wiped", "own-accumulation", "one-micro-batch"],
+)
+def test_hf_trainer_plain_trainer_with_accumulate_fails_loudly(
+    steps: int, samples: int, epochs: int, refusal: str | None
+) -> None:
     """Without AccumulateTrainer: with gradient_accumulation_steps=1, the Trainer's
-    model.zero_grad() after each step wipes the window; with the Trainer's own accumulation on
-    as well, each loss is divided twice. Both are refused before the first update."""
+    model.zero_grad() after each step wipes the window (refused at the next micro-step); with
+    the Trainer's own accumulation each loss would be divided twice (refused at the first
+    micro-step, seen in Accelerate's gradient sync); a run of one micro-batch ends inside the
+    window, which the wrapper says when it ends. No update is applied in any of them."""
     model = CharMLP()
     before = [p.detach().clone() for p in model.parameters()]
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=EVERY)
-    match = "replaced or cleared" if steps == 1 else r"Trainer \(transformers\) with its own"
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             model=model,
-            args=targs(tmp, MICRO, gradient_accumulation_steps=steps),
-            train_dataset=sequences(9, shifted=True),
+            args=targs(tmp, MICRO, gradient_accumulation_steps=steps, num_train_epochs=epochs),
+            train_dataset=sequences(samples, shifted=True),
             data_collator=collate,
             optimizers=(opt, None),
         )
-        with pytest.raises(RuntimeError, match=match):
+        if refusal is None:
             trainer.train()
+        else:
+            with pytest.raises(RuntimeError, match=refusal):
+                trainer.train()
     assert opt.updates == 0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    if refusal is None:
+        with pytest.warns(UserWarning, match="1 micro-step.*never applied"):
+            del opt, trainer
+            gc.collect()
+
+
+class HalveTheWindow(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        args.gradient_accumulation_steps = 2
+
+
+def test_hf_trainer_refuses_gradient_accumulation_steps_changed_after_setup() -> None:
+    """The Trainer cuts its windows by args.gradient_accumulation_steps: changed during the run
+    (here by a callback after the first update), each later window was flushed as an update
+    of another size, silently. Refused before the next window's first micro-batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = small_trainer(tmp)
+        trainer.add_callback(HalveTheWindow())
+        with pytest.raises(RuntimeError, match="gradient_accumulation_steps changed to 2"):
+            trainer.train()
+    assert trainer.accumulate.updates == 1 and trainer.accumulate.micro_step == 0
+
+
+def test_hf_trainer_logs_grad_norm_in_the_parameters_dtype() -> None:
+    """A float64 model under a float32 default dtype: the logged grad_norm was the window's
+    norm rounded to float32 (found by users); now it is the full-batch Trainer's, to 1e-12."""
+    torch.set_default_dtype(torch.float32)  # the conftest fixture restores float64
+    data, base = sequences(SAMPLES, seed=3, shifted=True), CharMLP()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run_full(tmp, copy.deepcopy(base), data, num_train_epochs=1)
+        trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, num_train_epochs=1)
+        trainer.train()
+    expected = logged(reference, "grad_norm")
+    torch.testing.assert_close(logged(trainer, "grad_norm"), expected, rtol=1e-12, atol=0)
+
+
+class ScheduleFreeSGD(torch.optim.SGD):
+    """A stand-in for the ``schedulefree`` optimizers: built in eval mode, ``step()`` refused
+    there; ``train()`` and ``eval()`` move the parameters between two points (x2 and /2)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.training = False
+
+    def _mode(self, training: bool) -> None:
+        if training != self.training:
+            with torch.no_grad():
+                for p in (p for group in self.param_groups for p in group["params"]):
+                    p.mul_(2.0 if training else 0.5)
+            self.training = training
+
+    def train(self) -> None:
+        self._mode(True)
+
+    def eval(self) -> None:
+        self._mode(False)
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.training:
+            raise RuntimeError("ScheduleFreeSGD.step: in eval mode; call optimizer.train()")
+        return super().step(closure)
+
+
+def test_hf_trainer_schedule_free_optimizer_trains_and_evaluates_in_its_modes() -> None:
+    """The Trainer calls optimizer.train() in training_step and optimizer.eval() to evaluate;
+    AccumulateTrainer's training_step never called train() (and the wrapper forwarded
+    neither), so a schedule-free optimizer was stepped in eval mode (found by users). Now the
+    run, evaluations included, is the full-batch Trainer's with the same optimizer."""
+    data, base = sequences(SAMPLES, seed=3, shifted=True), CharMLP()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for accumulate in (False, True):
+            model = copy.deepcopy(base)
+            inner = ScheduleFreeSGD(model.parameters(), lr=LR)
+            trainer = (AccumulateTrainer if accumulate else Trainer)(
+                model=model,
+                args=targs(
+                    tmp,
+                    MICRO if accumulate else MICRO * EVERY,
+                    num_train_epochs=1,
+                    eval_strategy="steps",
+                    eval_steps=1,
+                ),
+                train_dataset=data,
+                eval_dataset=sequences(4, seed=9, shifted=True),
+                data_collator=collate,
+                optimizers=(Accumulate(inner, every=EVERY) if accumulate else inner, None),
+            )
+            trainer.train()
+            runs.append((trainer, inner))
+    (reference, _), (trainer, inner) = runs
+    assert not inner.training and trainer.accumulate.updates == 3
+    assert len(logged(trainer, "eval_loss")) == 3
+    torch.testing.assert_close(
+        logged(trainer, "eval_loss"), logged(reference, "eval_loss"), rtol=1e-12, atol=0
+    )
+    assert rel(trainer.model, reference.model, flat(base)) <= 1e-12
 
 
 # ---------------------------------------------------------------------- the example
@@ -913,5 +1032,5 @@ def test_hf_trainer_ignores_a_window_file_without_accumopt_state_beside_it(
     path = tmp_path / hf_trainer.WINDOW_FILE.format(rank=0)
     torch.save(opt.state_dict(), path)
     with caplog.at_level(logging.WARNING, logger="accumopt"):
-        assert _hf_window_file.load(str(path), [], "cpu") is None
+        assert _hf_window_file.resume(opt, str(tmp_path), 0, "cpu", lambda: None) is None
     assert "no optimizer.pt with accumopt's state" in caplog.text

@@ -226,9 +226,9 @@ class CachedFailsOnce(FailsOnce, Cached):
     """Raises at batch ``at`` of the first fit; the same wrapper is returned at every fit."""
 
 
-def sgd_windows(windows: list[list[int]], rows: int = ROWS) -> Net:
+def sgd_windows(windows: list[list[int]], rows: int = ROWS, clip: float | None = None) -> Net:
     """Plain SGD, one update per window of batch indices (batches of MICRO rows): the mean
-    loss over the window's rows."""
+    loss over the window's rows (its gradient clipped to the 2-norm ``clip``)."""
     x, y = data(rows)
     reference = Net()
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -236,6 +236,8 @@ def sgd_windows(windows: list[list[int]], rows: int = ROWS) -> Net:
         idx = [i for b in window for i in range(MICRO * b, min(MICRO * b + MICRO, rows))]
         opt.zero_grad()
         F.mse_loss(reference.net(x[idx]), y[idx], reduction="sum").div(len(idx)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         opt.step()
     return reference
 
@@ -295,7 +297,7 @@ def test_lightning_a_wrapper_stepped_after_its_fit_says_it_was_released() -> Non
     x, y = data()
     F.mse_loss(module.net(x), y).backward()
     before = flat(module)
-    with pytest.raises(RuntimeError, match=r"counts no backward pass any more.*released it"):
+    with pytest.raises(RuntimeError, match=r"was released \(opt.release\(\), at the end of a fit"):
         opt.step()
     assert torch.equal(flat(module), before)
 
@@ -342,6 +344,166 @@ def test_lightning_manual_optimization_exact_with_ragged_batch_and_short_last_wi
     seen, expected = ours.lightning_module.seen, full.lightning_module.seen
     assert len(seen) == UPDATES
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-12, atol=0)
+
+
+class ThroughTheProxy(Net):
+    """Manual optimization that uses the wrapper only through ``self.optimizers()`` (Lightning's
+    proxy): a setter at the first batch, read-outs compared with the wrapper's own at every
+    batch, an update hook, and ``flush()`` after batch 4 (windows [0, 1, 2], [3, 4], [5, 6])."""
+
+    def __init__(self) -> None:
+        super().__init__(every=EVERY, manual=True)
+        self.reports: list[Any] = []
+        self.mismatches: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt, acc = self.optimizers(), self.optimizers(use_pl_optimizer=False)
+        if batch_idx == 0:
+            opt.max_grad_norm = 0.05  # type: ignore[union-attr]
+            opt.register_update_hook(lambda _, report: self.reports.append(report))  # type: ignore[union-attr]
+        super().training_step(batch, batch_idx)
+        names = ("micro_step", "updates", "will_update", "phase", "every", "items", "weighted")
+        names += ("last_window", "did_update", "rollback", "world_size", "rank", "max_grad_norm")
+        self.mismatches += [n for n in names if getattr(opt, n) != getattr(acc, n)]
+        opt.check_usable()  # type: ignore[union-attr]
+        assert "accumopt" in opt.state_dict()["param_groups"][0]  # type: ignore[union-attr]
+        if batch_idx == 4:
+            assert opt.flush() and opt.micro_step == 0  # type: ignore[union-attr]
+
+
+def test_lightning_every_wrapper_method_and_read_out_works_through_self_optimizers() -> None:
+    """``self.optimizers()`` is Lightning's proxy, whose class subclasses the wrapper's: a
+    wrapper method reached through it ran with the proxy as ``self`` (``flush()`` reported an
+    interruption that never happened; a setter such as ``max_grad_norm`` landed on the proxy
+    and never clipped). Every read and write now reaches the wrapper, and ``flush()`` is a
+    Lightning optimizer step (counted in global_step, hooks run)."""
+    module = ThroughTheProxy()
+    trainer = fit(module, MICRO, callbacks=[AccumulateCallback()], max_epochs=1)
+    assert module.mismatches == []
+    assert [r.micro_steps for r in module.reports] == [3, 2, 2]
+    assert all(r.grad_norm is not None for r in module.reports)  # clipped by max_grad_norm
+    assert trainer.global_step == 3 and len(module.seen) == 3
+    assert rel(module, sgd_windows([[0, 1, 2], [3, 4], [5, 6]], clip=0.05)) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lightning_bf16_mixed_with_gradient_clip_val_is_exact(dtype: torch.dtype) -> None:
+    """``precision="bf16-mixed"`` with ``gradient_clip_val`` stopped at the first boundary
+    with Lightning's "does not allow for gradient clipping because it performs unscaling of
+    gradients internally ... fused optimizer?": Lightning's MixedPrecision refuses to clip for
+    any optimizer whose step() takes GradScaler's arguments (``_step_supports_amp_scaling``,
+    which Accumulate declares for per-micro-step GradScaler loops), though bf16 has no scaler
+    and the window's gradient in .grad is plain. The callback clips through Lightning's plain
+    clipping during the fit. float64 (autocast leaves it alone): equal to Lightning's
+    full-batch step; float32 (bf16 matmuls): equal to a hand loop of the same micro-batches
+    under the same autocast, summed, divided, clipped. Both include the flushed short window."""
+    torch.set_default_dtype(dtype)
+    kwargs = {"precision": "bf16-mixed", "gradient_clip_val": 0.05}
+    ours, full = run_pair(Net(every=EVERY), Net(), **kwargs)
+    assert ours.global_step == UPDATES
+    if dtype == torch.float64:
+        assert rel(full.lightning_module, fit(Net(), FULL).lightning_module) > 1e-2  # clips
+        assert rel(ours.lightning_module, full.lightning_module) <= 1e-12
+        return
+    reference, (x, y) = Net(), data()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for window in [[0, 1, 2], [3, 4, 5], [6]] * EPOCHS:
+        opt.zero_grad()
+        for b in window:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = F.mse_loss(
+                    reference.net(x[3 * b : 3 * b + 3]), y[3 * b : 3 * b + 3], reduction="sum"
+                )
+            loss.backward()
+        for p in reference.parameters():
+            p.grad.div_(len(x[3 * window[0] : 3 * window[-1] + 3]))  # type: ignore[union-attr]
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        opt.step()
+    assert rel(ours.lightning_module, reference) <= 1e-6
+
+
+def test_lightning_16_mixed_is_refused_at_setup() -> None:
+    """With a GradScaler Lightning unscales only in its own optimizer step, and treats the
+    wrapper as an optimizer that unscales itself: the windows would be applied wrongly (the
+    flushed one in scaled units). Refused before anything runs (16-mixed on CPU has no scaler
+    in Lightning: the plugin is given one here)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.*Expected 'bf16-mixed'"):
+        fit(Net(every=EVERY), MICRO, callbacks=[AccumulateCallback()], plugins=[plugin])
+
+
+class ScheduleFreeLike(torch.optim.SGD):
+    """The train()/eval() contract of schedule-free optimizers (``schedulefree.SGDScheduleFree``,
+    whose mode lives in the param groups): ``eval()`` moves the parameters to the evaluation
+    point (here: halves them, exactly undone), ``train()`` moves them back, and ``step()``
+    refuses outside train mode."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.calls: list[str] = []
+        for group in self.param_groups:
+            group["train_mode"] = False
+
+    @torch.no_grad()
+    def _mode(self, train: bool) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != train:
+                for p in group["params"]:
+                    p.mul_(2.0 if train else 0.5)
+            group["train_mode"] = train
+        self.calls.append("train" if train else "eval")
+
+    def train(self) -> None:
+        self._mode(True)
+
+    def eval(self) -> None:
+        self._mode(False)
+
+    def step(self, closure: Any = None) -> Any:
+        assert self.param_groups[0]["train_mode"], "stepped in eval mode"
+        return super().step(closure)
+
+
+class ScheduleFree(Net):
+    """The schedule-free recipe: ``optimizers().train()`` for training, ``.eval()`` around
+    validation and at the epoch's end."""
+
+    def configure_optimizers(self) -> Any:
+        opt = ScheduleFreeLike(self.parameters(), lr=LR)  # starts in eval mode, unmoved
+        return opt if self.every is None else Accumulate(opt, every=self.every)
+
+    def on_train_epoch_start(self) -> None:
+        self.optimizers().train()  # type: ignore[union-attr]
+
+    def on_validation_epoch_start(self) -> None:
+        self.optimizers().eval()  # type: ignore[union-attr]
+
+    def on_validation_epoch_end(self) -> None:
+        self.optimizers().train()  # type: ignore[union-attr]
+
+    def on_train_epoch_end(self) -> None:
+        self.optimizers().eval()  # type: ignore[union-attr]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        return None
+
+
+def test_lightning_schedule_free_optimizer_train_and_eval_reach_it_and_stay_exact() -> None:
+    """``Accumulate.train()/eval()`` forward to the inner optimizer, also through Lightning's
+    proxy; validation in the middle of a window (val_check_interval=4) moves the parameters
+    and back without touching the window."""
+    x, y = data()
+    val = DataLoader(TensorDataset(x, y), batch_size=5)
+    ours, full = ScheduleFree(every=EVERY), ScheduleFree()
+    trainer = quiet_trainer([AccumulateCallback()], max_epochs=EPOCHS, val_check_interval=4)
+    trainer.fit(ours, DataLoader(TensorDataset(x, y), batch_size=MICRO), val)
+    quiet_trainer(None, max_epochs=EPOCHS).fit(full, DataLoader(TensorDataset(x, y), FULL))
+    inner = trainer.optimizers[0].optimizer  # type: ignore[attr-defined]
+    assert inner.calls.count("eval") == 1 + 2 * EPOCHS  # sanity check, each epoch: 1 + end
+    assert trainer.global_step == UPDATES
+    assert rel(ours, full) <= 1e-12
 
 
 class TwoNets(Net):
@@ -425,6 +587,17 @@ def test_lightning_accumulate_grad_batches_with_accumulate_raises() -> None:
         fit(Net(every=EVERY), MICRO, callbacks=[AccumulateCallback()], accumulate_grad_batches=2)
 
 
+def test_lightning_own_accumulation_without_the_callback_is_refused_before_any_update() -> None:
+    """Without AccumulateCallback nothing of the integration runs: the core sees Lightning's
+    accumulate_grad_batches in the closure Lightning steps with (its loss division would make
+    every update 1/2 of the right size) and refuses before anything is applied."""
+    module = Net(every=EVERY, weighted=False)  # a mean loss: no helper of the integration
+    before = flat(module)
+    with pytest.raises(RuntimeError, match=r"accumulate_grad_batches > 1 accumulates"):
+        fit(module, MICRO, accumulate_grad_batches=2)
+    assert torch.equal(flat(module), before)
+
+
 def test_lightning_gradient_accumulation_scheduler_raises_when_it_turns_on() -> None:
     module = Net(every=EVERY)
     callbacks = [AccumulateCallback(), GradientAccumulationScheduler({1: 2})]
@@ -454,24 +627,15 @@ def test_lightning_accumulate_without_the_callback_raises_in_loss_over_items() -
         fit(Net(every=EVERY), MICRO)
 
 
-@pytest.mark.parametrize(
-    ("setting", "match"),
-    [
-        ({"accumulate_grad_batches": EVERY}, r"\(lightning\) with its own gradient"),
-        ({"gradient_clip_val": 0.01}, "clipped inside the window"),
-    ],
-)
-def test_lightning_without_the_callback_wrong_settings_are_refused_before_the_update(
-    setting: dict[str, Any], match: str
-) -> None:
-    """Without AccumulateCallback, Lightning's own accumulation divides each loss a second
-    time, and its clipping clips each micro-step's partial sum: both refused at the first
-    boundary, the parameters untouched (weighted=False: a plain mean loss, no callback
-    needed by the module)."""
+def test_lightning_clipping_without_the_callback_is_refused_before_the_update() -> None:
+    """Without AccumulateCallback, Lightning clips each micro-step's partial sum: refused at
+    the next micro-step, the parameters untouched (weighted=False: a plain mean loss, no
+    callback needed by the module). Lightning's own accumulation without the callback is
+    refused by the core (test_lightning_own_accumulation_without_the_callback_...)."""
     module = Net(every=EVERY, weighted=False)
     before = flat(module)
-    with pytest.raises(RuntimeError, match=match):
-        fit(module, MICRO, **setting)
+    with pytest.raises(RuntimeError, match="clipped inside the window"):
+        fit(module, MICRO, gradient_clip_val=0.01)
     assert torch.equal(flat(module), before)
 
 
@@ -633,7 +797,8 @@ def test_lightning_ddp_resume_from_inside_a_window_is_refused_on_every_rank(
     if batch == 5:
         second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)
         return
-    with pytest.raises(Exception, match=r"open window, saved by one rank|saved by rank 0 of 2"):
+    refused = r"another rank refused the checkpoint's open window|saved by rank 0 of 2"
+    with pytest.raises(Exception, match=refused):
         second.fit(Net(every=EVERY), loader, ckpt_path=ckpt)
 
 
@@ -657,5 +822,5 @@ def test_lightning_asks_a_window_schedule_that_raised_before_deciding_the_batch(
     model(torch.ones(1, 2)).sum().backward()
     with pytest.raises(RuntimeError, match="transient"):
         opt.step()  # window 1 applied, then the schedule raised for window 2
-    assert opt.every == 1 and not integration._next_closes(opt)  # asked again: 3
+    assert not integration._next_closes(opt)  # asked again (3), not the stale size 1
     assert opt.every == 3 and failed == [True]

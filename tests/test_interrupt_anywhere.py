@@ -1,20 +1,21 @@
 """Exception safety at line granularity: a KeyboardInterrupt raised at any line of accumopt
-that a training loop executes leaves the wrapper done, unchanged, or refusing until
-``discard()``; never half changed.
+that a training loop executes leaves the wrapper consistent (the call happened or it did not)
+or refusing until ``discard()``; never half changed.
 
 A trace function raises the interrupt at the N-th line event inside the ``accumopt`` package
 (``sys.settrace``), for N over a sample of every line a loop of nine micro-batches in windows
-of three executes. The loop goes on by the documented protocol: an exception from a call means
-that call may or may not have happened; ``opt.updates`` says whether an update was applied; a
-wrapper that refuses (counting paused) is discarded; ``zero_grad()`` is retried; a ``step()`` or
-``flush()`` that raised with the window still closed is called again once. Whatever the
-interrupt hit, each applied update must equal plain SGD on the mean of the micro-batches the
-loop saw counted into that window, in float64.
+of three executes. The loop goes on by the documented protocol: an exception from a call
+means that call may or may not have happened; ``opt.phase`` says what is left: OPEN or
+CLOSED, consistent (a closed window still needs its ``step()``); anything else refuses, and
+is discarded.
+``opt.updates`` says whether an update was applied. Whatever the interrupt hit, each applied
+update must equal plain SGD on the mean of the micro-batches the loop saw counted into that
+window, in float64.
 
 One line is excluded, the known limit: the first statement of the inner optimizer's post-step
-hook (``accumopt._inner``'s ``count``). An interrupt there comes after the update and before
-accumopt can see it, so it is taken for a failed step and the retry applies the window again;
-torch's own code between the update and its hooks has the same gap.
+hook (``_watch_inner``'s ``after`` in ``accumulate.py``). An interrupt there comes after the
+update and before accumopt can count it, so the update goes uncounted while the parameters
+moved; torch's own code between the update and its hooks has the same gap.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import torch
 from test_fault_injection import ROWS, X, Y, net, reference
 
 import accumopt
-from accumopt import Accumulate
+from accumopt import Accumulate, Phase
+from accumopt._counting import PENDING
 
 PACKAGE = os.path.dirname(accumopt.__file__)
-COUNT_HOOK = os.path.join(PACKAGE, "_inner.py")
+COUNT_HOOK = os.path.join(PACKAGE, "accumulate.py")
 
 
 class Interrupt:
@@ -48,7 +50,7 @@ class Interrupt:
         name = frame.f_code.co_filename
         if not name.startswith(PACKAGE):
             return None
-        if name == COUNT_HOOK and frame.f_code.co_name == "count":
+        if name == COUNT_HOOK and frame.f_code.co_name == "after":
             return None  # the known limit (module docstring)
         return self.lines_of
 
@@ -62,7 +64,10 @@ class Interrupt:
 
 
 def paused(opt: Accumulate) -> bool:
-    return not opt._counter._armed[0]  # no call into accumopt: the trace sees no line
+    """Whether the wrapper refuses until discard(): a phase that refuses, or an item count
+    left waiting by an interrupt between setting it and its pass (read without running a line
+    of accumopt's code, which the trace would count)."""
+    return opt._state.phase not in (Phase.OPEN, Phase.CLOSED) or PENDING._items is not None
 
 
 def retried(call: Callable[[], Any]) -> None:
@@ -83,21 +88,22 @@ def train(opt: Accumulate, model: torch.nn.Module) -> list[list[tuple[int, int]]
         # an interrupt the trace raises at a `with torch.no_grad():` line as the block exits
         # skips its __exit__ (a tracing artefact: no signal lands there), leaving grad off
         torch.set_grad_enabled(True)
-        micro_step, updates = opt._window.micro_step, opt.updates
-        with contextlib.suppress(RuntimeError, KeyboardInterrupt):  # it may not have counted
+        state = opt._state
+        micro_step, updates, closed = state.micro_step, state.updates, state.phase is Phase.CLOSED
+        with contextlib.suppress(RuntimeError, ValueError, KeyboardInterrupt):  # may not count
             opt.backward(((model(X[a:b]) - Y[a:b]) ** 2).sum(), items=b - a)
-        window = opt._window
-        if window.micro_step > micro_step or window.closed or opt.updates > updates:
+        now_closed = state.phase is Phase.CLOSED
+        if state.micro_step > micro_step or (now_closed and not closed) or state.updates > updates:
             pending.append((a, b))
-        updates = opt.updates
-        for _ in range(2):  # one retry of step() when the window is still closed
+        updates = state.updates
+        for _ in range(2):  # a closed window still needs its step() after one that did not run
             try:
                 opt.step()
                 break
-            except (RuntimeError, KeyboardInterrupt):
-                if paused(opt) or not opt._window.closed:
+            except (RuntimeError, ValueError, KeyboardInterrupt):
+                if paused(opt) or state.phase is not Phase.CLOSED:
                     break
-        if opt.updates > updates:
+        if opt._state.updates > updates:
             applied.append(pending)
             pending = []
         if paused(opt):
@@ -107,18 +113,18 @@ def train(opt: Accumulate, model: torch.nn.Module) -> list[list[tuple[int, int]]
         if paused(opt):
             retried(opt.discard)
             pending = []
-    updates = opt.updates
+    updates = opt._state.updates
     torch.set_grad_enabled(True)
-    for _ in range(2):  # one retry when the window is still closed: flush() again finishes it
+    for _ in range(2):  # a flush() that did not run, the window still to apply
         try:
             opt.flush()
             break
-        except (RuntimeError, KeyboardInterrupt):
+        except (RuntimeError, ValueError, KeyboardInterrupt):
             if paused(opt):
                 retried(opt.discard)
-            if paused(opt) or not opt._window.closed:
+            if paused(opt) or opt._state.phase is not Phase.CLOSED:
                 break
-    if opt.updates > updates:
+    if opt._state.updates > updates:
         applied.append(pending)
     return applied
 
@@ -140,8 +146,8 @@ def build(
 @contextlib.contextmanager
 def traced(interrupt: Interrupt) -> Iterator[None]:
     """Trace accumopt's lines with ``interrupt``, garbage collection off: a finalizer of an
-    earlier test's wrapper (``BackwardCounter``'s hook removal) run by the collector inside
-    the loop would take the interrupt, which then never reaches the loop."""
+    earlier test's wrapper (the counter's hook removal) run by the collector inside the loop
+    would take the interrupt, which then never reaches the loop."""
     enabled = gc.isenabled()
     gc.disable()
     sys.settrace(interrupt.calls)

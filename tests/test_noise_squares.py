@@ -1,4 +1,4 @@
-"""The squared norms behind the noise scale (``accumopt._squares.SquaredNorm``): equal to a float64
+"""The squared norms behind the noise scale (``accumopt.noise.SquaredNorm``): equal to a float64
 sum of squares for any mix of shapes, dtypes and layouts, planned once and planned again when
 the gradients change; on a CPU model of many small tensors no norm per tensor is taken; and
 one window's estimate equals the formula applied to hand-computed norms."""
@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from accumopt import Accumulate
-from accumopt._squares import SquaredNorm
-from accumopt.noise import NoiseScale
+from accumopt.noise import NoiseScale, SquaredNorm
 
 SHAPES = st.lists(
     st.sampled_from([(), (0,), (1,), (3,), (16,), (4, 4), (16, 16), (2, 3, 5), (3, 0)]),

@@ -84,7 +84,7 @@ def test_runner_backs_off_on_a_wrapped_oom() -> None:
         return model(x).sum()
 
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10)
-    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto")
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size="auto", loss_reduction="sum")
     runner(torch.randn(10, 2))
     assert runner.ooms > 0 and sum(rows) == 10 and max(rows) <= 3
 

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from accumopt import Accumulate, AccumulatingOptimizer
+from accumopt import Accumulate
 
 
 def run(
-    acc: AccumulatingOptimizer,
+    acc: Accumulate,
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -129,58 +129,10 @@ def test_nonfinite_skip_window(poison: int) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("poison", [0, 2, 3])
-@pytest.mark.parametrize("amp", [False, True])
-def test_nonfinite_skip_micro_batch_drops_only_that_micro_batch(poison: int, amp: bool) -> None:
-    ref, model = twins(mlp(62))
-    x, y = data(62, 8)
-    sizes = [1, 3, 2, 2]
-    keep = [i for i in range(4) if i != poison]
-    xs, ys = x.split(sizes), y.split(sizes)
-    full_batch_step(
-        ref,
-        torch.optim.SGD(ref.parameters(), lr=0.1),
-        torch.cat([xs[i] for i in keep]),
-        torch.cat([ys[i] for i in keep]),
-    )
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if amp else None
-    acc = Accumulate(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        every_items=8 - sizes[poison],
-        nonfinite="skip_micro_batch",
-        scaler=sc,
-    )
-    for i, (xb, yb) in enumerate(zip(xs, ys)):
-        loss = mse_sum(model, xb, yb) * (float("inf") if i == poison else 1.0)
-        if sc is None:
-            acc.backward(loss, items=len(xb))
-            acc.step()
-        else:
-            acc.backward(sc.scale(loss), items=len(xb))
-            sc.step(acc)
-            sc.update()
-        acc.zero_grad()
-    assert acc.skipped_micro_steps == 1 and acc.updates == 1
-    assert_same_params(model, ref)
-
-
-def test_nonfinite_raise_names_the_micro_step_and_keeps_the_window() -> None:
-    ref, model = twins(mlp(63))
-    x, y = data(63, 6)
-    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x[:4], y[:4])
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2, nonfinite="raise")
-    acc.backward(mse_sum(model, x[:2], y[:2]), items=2)
-    acc.step()
-    with pytest.raises(FloatingPointError, match="micro-step 2 of the open window"):
-        acc.backward(mse_sum(model, x[4:], y[4:]) * float("nan"), items=2)
-    assert acc.micro_step == 1
-    acc.step()  # nothing happened since the refused micro-step's step() would be its own
-    with pytest.raises(RuntimeError, match="no backward pass"):
-        acc.step()
-    acc.backward(mse_sum(model, x[2:4], y[2:4]), items=2)
-    acc.step()
-    assert acc.did_update
-    assert_same_params(model, ref)
+@pytest.mark.parametrize("policy", ["raise", "skip_micro_batch", "skip", True])
+def test_policies_removed_in_0_2_are_refused_with_the_migration(policy: object) -> None:
+    with pytest.raises(ValueError, match=r"not a policy.*'skip_window'.*CHANGELOG"):
+        Accumulate(torch.optim.SGD(mlp(62).parameters(), lr=0.1), every=2, nonfinite=policy)
 
 
 def test_buffer_round_trips_through_state_dict_mid_window() -> None:
@@ -189,7 +141,7 @@ def test_buffer_round_trips_through_state_dict_mid_window() -> None:
     x, y = data(64, 8)
     x, y = x.bfloat16(), y.bfloat16()
 
-    def fresh() -> tuple[nn.Module, AccumulatingOptimizer]:
+    def fresh() -> tuple[nn.Module, Accumulate]:
         m = copy.deepcopy(base)
         return m, Accumulate(torch.optim.Adam(m.parameters(), lr=0.01), every=4)
 

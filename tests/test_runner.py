@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import OPTIMIZERS, assert_same_params, data, full_batch_step, mlp, twins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from accumopt import Accumulate, MicroBatchRunner, NoMicroBatchFits, is_oom
+from accumopt import Accumulate, MicroBatchRunner, NoMicroBatchFits, Phase, is_oom
 from accumopt.autosize import MicroBatchSizer
 from accumopt.testing import simulate_oom
 
@@ -60,7 +61,7 @@ def test_every_sample_counted_exactly_once_under_oom(
     model = Counter(n)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every_items=n, reduction="sum")
     grads = capture_update_grads(acc)
-    runner = MicroBatchRunner(acc, lambda x: model(x).sum(), start_size=start)
+    runner = MicroBatchRunner(acc, lambda x: model(x).sum(), start_size=start, loss_reduction="sum")
     with simulate_oom(model, limit, where=where, at=model.w, kind=kind) as sim:  # type: ignore[arg-type]
         mean = runner(torch.eye(n))
     assert len(grads) == 1 and acc.updates == 1
@@ -91,7 +92,7 @@ def test_auto_sized_windows_equal_full_batch(
     def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ((model(batch["x"]) - batch["y"]) ** 2).sum()
 
-    runner = MicroBatchRunner(acc, loss_fn)
+    runner = MicroBatchRunner(acc, loss_fn, loss_reduction="sum")
     with simulate_oom(model, limit, where=where, at=model[0]):
         for w in range(windows):
             x, y = data(seed + w, n)
@@ -117,7 +118,7 @@ def test_runner_mean_loss_outputs_and_item_counts() -> None:
         out = model(xb)
         return ((out - yb) ** 2).sum(1)[mb].sum(), mb.sum(), out.detach()
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4, loss_reduction="sum")
     mean, outputs = runner((x, y, mask), return_outputs=True)
     assert acc.updates == 1 and runner.micro_batch_size == 4 and runner.ooms == 0
     torch.testing.assert_close(mean, ref_loss.detach())
@@ -125,18 +126,46 @@ def test_runner_mean_loss_outputs_and_item_counts() -> None:
     assert_same_params(model, ref)
 
 
-def test_loss_reduction_mean_is_weighted_by_rows() -> None:
-    ref, model = twins(mlp(71))
-    x, y = data(71, 7)
-    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+@pytest.mark.parametrize("micro", [3, "auto"])
+def test_a_mean_loss_trains_exactly_by_default(micro: int | str) -> None:
+    """torch's convention: loss_fn returns F.mse_loss's mean, and the default loss_reduction
+    weights each micro-batch (3 + 3 + 1 rows, or what "auto" finds under a 3-row limit) by
+    its rows: the update and the returned loss are the full batch's."""
+    ref, model = (m.double() for m in twins(mlp(71)))
+    x, y = (t.double() for t in data(71, 7))
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=7)
     runner = MicroBatchRunner(
         acc,
-        lambda b: ((model(b[0]) - b[1]) ** 2).sum(1).mean(),
-        micro_batch_size=3,
+        lambda b: F.mse_loss(model(b[0]), b[1]),
+        micro_batch_size=micro,  # type: ignore[arg-type]
         loss_reduction="mean",
     )
-    runner((x, y))
+    with simulate_oom(model, 3):
+        mean = runner((x, y))
+    assert acc.updates == 1 and runner.micro_batch_size == 3
+    torch.testing.assert_close(mean, ref_loss.detach(), rtol=1e-12, atol=0)
+    assert_same_params(model, ref)
+
+
+def test_a_mean_over_tokens_trains_exactly_by_default() -> None:
+    """loss_fn returns cross_entropy's mean over the labels other than -100 and their count;
+    a micro-batch with none of them (a NaN mean) adds nothing: the update is the full-batch
+    step on the mean over every counted label."""
+    ref, model = (m.double() for m in twins(mlp(72)))
+    x = data(72, 8)[0].double()
+    labels = torch.tensor([0, 2, -100, 1, -100, -100, 2, -100])  # micro-batch 3: no label
+    F.cross_entropy(ref(x), labels).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=4)
+
+    def loss_fn(b: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.cross_entropy(model(b[0]), b[1]), (b[1] != -100).sum()
+
+    MicroBatchRunner(acc, loss_fn, micro_batch_size=2, loss_reduction="mean")((x, labels))
+    assert acc.updates == 1
     assert_same_params(model, ref)
 
 
@@ -146,7 +175,9 @@ def test_runner_with_grad_scaler_under_oom() -> None:
     full_batch_step(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), x, y)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     acc = Accumulate(torch.optim.AdamW(model.parameters(), lr=0.01), every_items=12, scaler=sc)
-    runner = MicroBatchRunner(acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum())
+    runner = MicroBatchRunner(
+        acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum(), loss_reduction="sum"
+    )
     with simulate_oom(model, 5, where="backward", at=model[0]):
         runner((x, y))
     assert acc.updates == 1 and runner.ooms > 0
@@ -205,7 +236,9 @@ def test_micro_batch_of_one_that_does_not_fit_is_a_clear_error(
 ) -> None:
     model = mlp(73)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=4)
-    runner = MicroBatchRunner(acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum())
+    runner = MicroBatchRunner(
+        acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum(), loss_reduction="sum"
+    )
     x, y = data(73, 4)
     with (
         caplog.at_level(logging.INFO, logger="accumopt"),
@@ -223,7 +256,7 @@ def test_micro_batch_of_one_that_does_not_fit_is_a_clear_error(
 def test_errors_that_are_not_oom_propagate_unchanged() -> None:
     model = mlp(74)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=4)
-    runner = MicroBatchRunner(acc, lambda b: model(b).sum())
+    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), loss_reduction="sum")
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         runner(torch.zeros(4, 5))
     assert runner.ooms == 0
@@ -256,18 +289,30 @@ def test_is_oom(error: BaseException, expected: bool) -> None:
 def test_runner_bad_arguments(kwargs: dict, exc: type[Exception], pattern: str) -> None:
     acc = Accumulate(torch.optim.SGD(mlp(75).parameters(), lr=0.1), every_items=4)
     with pytest.raises(exc, match=pattern):
-        MicroBatchRunner(acc, lambda b: b.sum(), **kwargs)
+        MicroBatchRunner(acc, lambda b: b.sum(), **{"loss_reduction": "sum", **kwargs})
+
+
+def test_runner_loss_reduction_is_required() -> None:
+    """0.1's default was "sum" and the torch convention is "mean": a default either way would
+    scale every update of someone's loop by its items without an error."""
+    acc = Accumulate(torch.optim.SGD(mlp(75).parameters(), lr=0.1), every_items=4)
+    with pytest.raises(TypeError, match=r"loss_reduction is required; expected 'mean'"):
+        MicroBatchRunner(acc, lambda b: b.sum())
 
 
 def test_runner_needs_the_wrapper() -> None:
     with pytest.raises(TypeError, match=r"expected an accumopt.Accumulate wrapper"):
-        MicroBatchRunner(torch.optim.SGD(mlp(76).parameters()), lambda b: b.sum())  # type: ignore[arg-type]
+        MicroBatchRunner(
+            torch.optim.SGD(mlp(76).parameters()), lambda b: b.sum(), loss_reduction="sum"
+        )  # type: ignore[arg-type]
 
 
 def test_runner_rejects_mismatched_batch_without_losing_the_window() -> None:
     model = mlp(77)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
-    runner = MicroBatchRunner(acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum(), micro_batch_size=2)
+    runner = MicroBatchRunner(
+        acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum(), micro_batch_size=2, loss_reduction="sum"
+    )
     x, y = data(77, 4)
     runner((x, y))
     with pytest.raises(
@@ -282,7 +327,7 @@ def test_short_remainder_of_a_batch_is_not_a_size_change() -> None:
     and micro_batch_size keeps reporting where the search stands."""
     model = nn.Linear(2, 1)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10)
-    runner = MicroBatchRunner(acc, lambda b: model(b).sum())
+    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), loss_reduction="sum")
     with simulate_oom(model, 4):
         for _ in range(3):
             runner(torch.randn(10, 2))  # settles at 4: 4 + 4 + 2 rows per call
@@ -293,7 +338,7 @@ def test_short_remainder_of_a_batch_is_not_a_size_change() -> None:
 def test_search_does_not_grow_past_the_batch_without_failures() -> None:
     model = nn.Linear(2, 1)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
-    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), start_size=2)
+    runner = MicroBatchRunner(acc, lambda b: model(b).sum(), start_size=2, loss_reduction="sum")
     for _ in range(4):
         runner(torch.randn(8, 2))
     assert runner.micro_batch_size == 8 and runner.ooms == 0
@@ -307,42 +352,15 @@ def stepped_copy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> nn.Modul
     return ref
 
 
-@pytest.mark.parametrize("count_at", ["outputs", "parameters"])
-def test_the_runner_counts_its_own_backward_passes_without_the_hooks(count_at: str) -> None:
-    """The runner runs and counts each micro-batch's backward pass itself: the model's outputs
-    inside ``loss_fn`` carry no counting hook (counting at the outputs), the parameter hooks
-    queue nothing (counting paused while the pass runs), and each pass counts exactly once."""
-    model = mlp(81).double()
-    x, y = data(81, 10)
-    x, y = x.double(), y.double()
-    ref = stepped_copy(model, x, y)
-    given = model if count_at == "outputs" else None
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=10, model=given)
-    hooks = []
-
-    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        out = model(batch[0])
-        hooks.append(out._backward_hooks)
-        return ((out - batch[1]) ** 2).sum()
-
-    MicroBatchRunner(acc, loss_fn, micro_batch_size=3)((x, y))
-    assert hooks == [None] * 4 and acc.updates == 1
-    assert_same_params(model, ref, rtol=1e-12)
-    # outside the runner the wrapper counts with its hooks as before
-    acc.backward(loss_fn((x, y)), items=10)
-    assert acc.micro_step == 1
-    if given is not None:
-        assert hooks[-1] is not None
-
-
 @pytest.mark.parametrize("where", ["hidden", "loss"])
 @pytest.mark.parametrize("count_at", ["outputs", "parameters"])
 def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(
     count_at: str, where: str
 ) -> None:
     """A micro-batch whose backward pass dies part-way (at the hidden layer: after the last
-    layer's gradient was accumulated) or before any gradient was written (at the loss) is not
-    counted, and the wrapper refuses to go on until ``discard()``; then it trains exactly."""
+    layer's gradient was accumulated) is not counted, and the wrapper refuses to go on until
+    ``discard()``; one that dies before any gradient was written (at the loss) left nothing
+    to refuse. Then it trains exactly."""
     model = mlp(82).double()
     x, y = data(82, 8)
     x, y = x.double(), y.double()
@@ -369,14 +387,17 @@ def test_a_backward_pass_dying_in_the_runner_pauses_counting_until_discard(
                 loss.register_hook(boom)
         return loss
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4, loss_reduction="sum")
     with pytest.raises(RuntimeError, match="boom"):
         runner((x, y))
     written = not torch.equal(model[2].weight.grad, first[0])
     assert acc.micro_step == 1 and written == (where == "hidden")
-    with pytest.raises(RuntimeError, match="failed part-way"):
-        runner((x, y))
-    assert acc.micro_step == 1 and calls[0] == 2  # refused before its loss_fn
+    if written:
+        with pytest.raises(RuntimeError, match="failed part-way"):
+            runner((x, y))
+        assert acc.micro_step == 1 and calls[0] == 2  # refused before its loss_fn
+    else:
+        assert acc.phase is Phase.OPEN  # .grad holds the first micro-batch alone
     armed.remove()
     acc.discard()
     ref = stepped_copy(model, x, y)
@@ -401,7 +422,7 @@ def test_a_paused_wrapper_is_not_taken_for_an_out_of_memory_error_by_the_auto_ru
             hidden.register_hook(boom)
         return ((model[2](model[1](hidden)) - batch[1]) ** 2).sum()
 
-    runner = MicroBatchRunner(acc, loss_fn)
+    runner = MicroBatchRunner(acc, loss_fn, loss_reduction="sum")
     x, y = data(83, 16)
     with pytest.raises(RuntimeError, match="boom"):
         runner((x, y))
@@ -436,7 +457,7 @@ def test_runner_frees_each_micro_batch_graph_before_the_next() -> None:
         seen.append(sum(r() is not None for r in alive))
         return ((Tagged.apply(model(b[0])) - b[1]) ** 2).sum()
 
-    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=5, model=model)
+    runner = MicroBatchRunner(opt, loss_fn, micro_batch_size=5, model=model, loss_reduction="sum")
     mean = runner(
         (torch.randn(20, 4, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64))
     )

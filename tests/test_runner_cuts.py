@@ -63,7 +63,9 @@ def test_every_update_covers_exactly_n_rows_of_the_stream(
         pieces.append((len(b[0]), acc.updates))
         return ((model(b[0]) - b[1]) ** 2).sum()
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=micro, model=model)  # type: ignore[arg-type]
+    runner = MicroBatchRunner(
+        acc, loss_fn, micro_batch_size=micro, model=model, loss_reduction="sum"
+    )  # type: ignore[arg-type]
     with simulate_oom(model, limit if micro == "auto" else sum(batches)):
         for start, rows in zip(itertools.accumulate([0, *batches]), batches):
             runner((x[start : start + rows], y[start : start + rows]))
@@ -102,7 +104,7 @@ def test_items_other_than_rows_close_each_window_at_its_first_micro_step_past_n(
         offset[0] += len(xb)
         return (tb[:, None] * (model(xb) - yb) ** 2).sum(), tb.sum()
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=7)
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=7, loss_reduction="sum")
     for start in range(0, 90, 30):
         runner((x[start : start + 30], y[start : start + 30], tokens[start : start + 30]))
     assert acc.updates >= 1
@@ -144,7 +146,7 @@ def ddp_worker(rank: int, micro: int | str) -> list[list[float]]:
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     acc = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every_items=10, model=ddp)
     runner = MicroBatchRunner(
-        acc, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum(), micro_batch_size=micro
+        acc, lambda b: ((ddp(b[0]) - b[1]) ** 2).sum(), micro_batch_size=micro, loss_reduction="sum"
     )  # type: ignore[arg-type]
     mine = slice(14 * rank, 14 * rank + 14)
     with simulate_oom(ddp.module, 2 if rank == 0 and micro == "auto" else 100):
@@ -187,7 +189,7 @@ def test_the_search_starts_at_the_first_batch_not_at_a_cut() -> None:
     x, y = (t.double() for t in data(144, 23))
     acc.backward(((model(x[:1]) - y[:1]) ** 2).sum(), items=1)
     acc.step()
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size="auto")
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size="auto", loss_reduction="sum")
     runner((x[1:16, :, None].expand(-1, -1, 3), y[1:16]))  # 15 rows: cut at 7, then 8
     assert sizes == [7, 8] and acc.updates == 2
     sizes.clear()

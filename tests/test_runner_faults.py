@@ -109,7 +109,9 @@ def test_bad_loss_fn_result_is_refused_before_anything_is_counted(mode: str, kin
         return (loss, len(b[0])) if len(calls) == 1 else _bad(kind, loss, len(b[0]))
 
     size: int | Literal["auto"] = 2 if mode == "fixed" else "auto"
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=size, start_size=2, model=model)
+    runner = MicroBatchRunner(
+        acc, loss_fn, micro_batch_size=size, start_size=2, model=model, loss_reduction="sum"
+    )
     after_first: dict[str, Tensor] = {}
 
     def remember(*_: object) -> None:  # after the first micro-batch's step
@@ -163,7 +165,7 @@ def test_bad_search_settings_are_refused_at_construction(
 ) -> None:
     acc = Accumulate(torch.optim.SGD(mlp(80).parameters(), lr=0.1), every_items=8)
     with pytest.raises(ValueError, match=rf"^MicroBatchRunner: {pattern}.*\. .*\.$"):
-        MicroBatchRunner(acc, lambda b: b.sum(), **kwargs)
+        MicroBatchRunner(acc, lambda b: b.sum(), **{"loss_reduction": "sum", **kwargs})
     assert acc.micro_step == 0 and acc.items == 0
 
 
@@ -254,7 +256,9 @@ def test_failed_micro_batch_attempt_leaves_no_trace_in_module_state(where: str, 
     def run(loss_fn: Callable[[Any], Tensor], batch: tuple[Tensor, Tensor]) -> None:
         nonlocal runner
         if runner is None:
-            runner = MicroBatchRunner(acc, loss_fn, model=model if via == "runner" else None)
+            runner = MicroBatchRunner(
+                acc, loss_fn, model=model if via == "runner" else None, loss_reduction="sum"
+            )
             if via == "set_model":
                 acc.set_model(model)
         runner(batch)
@@ -277,7 +281,7 @@ def test_without_a_model_the_generators_are_still_restored() -> None:
     acc = Accumulate(torch.optim.Adam(model.parameters(), lr=0.01), every_items=8)
 
     def run(loss_fn: Callable[[Any], Tensor], batch: tuple[Tensor, Tensor]) -> None:
-        MicroBatchRunner(acc, loss_fn)(batch)
+        MicroBatchRunner(acc, loss_fn, loss_reduction="sum")(batch)
 
     with simulate_oom(model[-1], 4) as sim:
         got = train(model, acc, batches, run)
@@ -294,7 +298,11 @@ def test_failed_attempt_gives_back_the_cuda_generator() -> None:
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
     x, y = torch.randn(8, 4), torch.randn(8, 3)
     runner = MicroBatchRunner(
-        acc, lambda b: ((model(b[0]) - b[1]) ** 2).sum(), device="cuda", model=model
+        acc,
+        lambda b: ((model(b[0]) - b[1]) ** 2).sum(),
+        device="cuda",
+        model=model,
+        loss_reduction="sum",
     )
     twin = copy.deepcopy(model)
     torch.cuda.manual_seed(11)

@@ -27,11 +27,11 @@ from helpers import (
 )
 from torch import nn
 
-from accumopt import Accumulate, AccumulatingOptimizer
+from accumopt import Accumulate
 
 
 def run_window(
-    acc: AccumulatingOptimizer,
+    acc: Accumulate,
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -334,7 +334,7 @@ def test_7_max_grad_norm_clips_the_window_gradient_once() -> None:
 # ---------------------------------------------------------------- 9. checkpoints
 
 
-def make_run(seed: int) -> tuple[nn.Module, AccumulatingOptimizer]:
+def make_run(seed: int) -> tuple[nn.Module, Accumulate]:
     model = mlp(seed)
     return model, Accumulate(torch.optim.AdamW(model.parameters(), lr=0.01), every=4)
 
@@ -367,12 +367,21 @@ def test_9_bare_inner_state_dicts_load_both_ways() -> None:
     x, y = data(16, 4)
     run_window(acc, model, x, y, [1, 1, 1, 1])
     bare = torch.optim.AdamW(model.parameters(), lr=0.01)
-    bare.load_state_dict(acc.state_dict())  # the extra entry is ignored by torch
+    bare.load_state_dict(acc.state_dict())  # the entry rides along as a group value
     assert bare.state_dict()["state"][0]["step"] == 1
     _, acc2 = make_run(16)
-    acc2.load_state_dict(bare.state_dict())  # an old, wrapper-less checkpoint
-    assert acc2.micro_step == 0 and acc2.updates == 0
-    assert acc2.optimizer.state_dict()["state"][0]["step"] == 1
+    acc2.load_state_dict(bare.state_dict())  # nothing changed since: the entry still holds
+    assert acc2.micro_step == 0 and acc2.updates == 1
+    bare.zero_grad()
+    model(x).sum().backward()
+    bare.step()  # the bare optimizer trains on: the entry it carries is stale
+    _, acc3 = make_run(16)
+    acc3.load_state_dict(bare.state_dict())  # a fresh window, as from a bare state dict
+    assert acc3.micro_step == 0 and acc3.updates == 0
+    assert acc3.optimizer.state_dict()["state"][0]["step"] == 2
+    _, acc4 = make_run(16)
+    acc4.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())  # no entry at all
+    assert acc4.micro_step == 0 and acc4.updates == 0
 
 
 def test_9_deepcopy_and_pickle_after_scheduler_attached() -> None:

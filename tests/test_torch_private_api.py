@@ -4,7 +4,7 @@ accumopt supports ``torch>=2.11`` without an upper bound, but a few of the thing
 private to torch and may change in any release. This test fails loudly, naming what
 disappeared and where accumopt uses it, so that a new torch release breaks here first rather
 than somewhere deep in a training run. The list comes from grepping accumopt/ for ``torch._``,
-``_pytree``, ``_execution_engine``, ``_foreach``, ``_backward_hooks``, ``_register_hook_dict``,
+``_pytree``, ``_execution_engine``, ``_foreach``, ``_current_autograd_node``,
 ``_global_optimizer``, ``_optimizer_*_hooks`` and the like; keep it in sync when accumopt
 starts (or stops) using a private name.
 """
@@ -81,20 +81,21 @@ def queue_callback(fn: Any) -> None:
     assert ran == ["end of backward"]
 
 
-def register_hook_dict(_: Any) -> None:
-    """``node._register_hook_dict(tensor)`` with ``tensor._backward_hooks`` set: the tensor hook
-    runs (what ``Tensor.register_hook`` does in two steps; accumopt skips its handle)."""
-    from collections import OrderedDict
+def current_autograd_node(fn: Any) -> None:
+    """None outside a backward pass; inside the final callback of a nested (reentrant) pass,
+    the node of the outer pass that runs it (how a nested pass is told from a pass)."""
+    from torch.utils.checkpoint import checkpoint
 
-    x = torch.ones(2, requires_grad=True)
-    y = x * 2
-    node = y.grad_fn
-    assert node is not None
-    called: list[bool] = []
-    y._backward_hooks = OrderedDict(((-1, lambda g: called.append(True)),))
-    node._register_hook_dict(y)
-    y.sum().backward()
-    assert called == [True]
+    assert fn() is None
+    lin = torch.nn.Linear(2, 2)
+    seen: list[Any] = []
+    lin.weight.register_hook(
+        lambda g: torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: seen.append(fn())
+        )
+    )
+    checkpoint(lin, torch.ones(1, 2, requires_grad=True), use_reentrant=True).sum().backward()
+    assert len(seen) == 1 and seen[0] is not None
 
 
 def get_scale_async(method: Any) -> None:
@@ -200,20 +201,9 @@ def foreach_norm(f: Any) -> None:
     assert [n.item() for n in norms] == [5.0, 1.0]
 
 
-def scheduler_handshake(_: Any) -> None:
-    """An LRScheduler's first step() after construction reads ``optimizer._opt_called`` from a
-    frame named ``step`` whose ``self`` is the scheduler: how the wrapper learns it."""
-    from accumopt import Accumulate
-
-    acc = Accumulate(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), every=2)
-    sched = torch.optim.lr_scheduler.StepLR(acc, step_size=1)
-    sched.step()
-    assert [ref() for ref, _ in acc._guard.schedulers] == [sched]
-
-
 def fsdp_state_groups(get_state: Any) -> None:
     """``FSDPModule._get_fsdp_state`` and the per-group ``fsdp_params`` of its state, whose
-    held-back gradients ``_fsdp_pending.drop_pending`` drops (a 2-rank run exercises it in
+    held-back gradients ``distributed._drop_fsdp_pending`` drops (a 2-rank run exercises it in
     ``test_fsdp.py``; here the names)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -231,26 +221,26 @@ def batchnorm_base(cls: Any) -> None:
 # (dotted name, where accumopt uses it, check); ``~`` marks an attribute of an instance (a
 # live autograd node, a tensor, an optimizer) rather than a module attribute.
 API: list[tuple[str, str, Callable[[Any], None]]] = [
-    ("torch._C._will_engine_execute_node", "_backward_counter.py", will_engine_execute_node),
+    ("torch._C._will_engine_execute_node", "_counting.py", will_engine_execute_node),
     (
         "torch.autograd.Variable._execution_engine.queue_callback",
-        "_backward_counter.py",
+        "_counting.py",
         queue_callback,
     ),
-    ("torch.autograd.graph.Node~_register_hook_dict", "_backward_counter.py", register_hook_dict),
-    ("torch.Tensor~_backward_hooks", "_backward_counter.py", tensor_attribute("_backward_hooks")),
-    ("torch.Tensor~_base", "_backward_counter.py", tensor_attribute("_base")),
+    ("torch._C._current_autograd_node", "_counting.py (nested passes)", current_autograd_node),
+    ("torch.Tensor~_base", "_counting.py", tensor_attribute("_base")),
     ("torch.Tensor._values", "_grads.py (sparse gradients)", sparse_values),
-    ("torch.amp.GradScaler._get_scale_async", "accumulate.py / _window_buffer.py", get_scale_async),
+    ("torch.amp.GradScaler._get_scale_async", "accumulate.py / _buffer.py", get_scale_async),
     (
         "torch.amp.GradScaler~_per_optimizer_states",
         "distributed.py (ranks agree on inf/NaN)",
         per_optimizer_states,
     ),
-    ("torch.utils._pytree.TreeSpec~children", "_plain.py (fast rebuild)", treespec_children),
+    ("torch.utils._pytree.TreeSpec~children", "_tree.py (fast rebuild)", treespec_children),
     ("torch.optim.optimizer._global_optimizer_pre_hooks", "accumulate.py", mapping),
     ("torch.optim.optimizer._global_optimizer_post_hooks", "accumulate.py", mapping),
     ("torch.optim.Optimizer.profile_hook_step", "accumulate.py", profile_hook_step),
+    ("torch.Tensor._version", "_guard.py", lambda _: torch.ones(1)._version),
     (
         "torch.optim.Optimizer~_optimizer_step_pre_hooks",
         "accumulate.py",
@@ -258,7 +248,7 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
     ),
     (
         "torch.optim.Optimizer~_optimizer_step_post_hooks.move_to_end",
-        "_inner.py (a post hook run first)",
+        "accumulate.py (a post hook run first)",
         post_hooks_ordered,
     ),
     (
@@ -290,28 +280,23 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
     ("torch.utils._pytree.keystr", "_tree.py", signature("kp")),
     ("torch.utils._pytree.tree_flatten", "_tree.py, split.py", signature("tree")),
     ("torch.utils._pytree.tree_unflatten", "_tree.py, split.py", signature("leaves", "treespec")),
-    ("torch.utils._pytree.tree_leaves", "_backward_counter.py", signature("tree")),
+    ("torch.utils._pytree.tree_leaves", "_counting.py", signature("tree")),
     ("torch._utils._flatten_dense_tensors", "distributed.py", flatten_dense_tensors),
     ("torch._utils._unflatten_dense_tensors", "distributed.py", signature("flat", "tensors")),
     ("torch._foreach_div_", "_grads.py", foreach_div_),
-    ("torch._foreach_add_", "_window_buffer.py", foreach_add_),
+    ("torch._foreach_add_", "_buffer.py", foreach_add_),
     ("torch._amp_foreach_non_finite_check_and_unscale_", "_grads.py", amp_unscale_),
     ("torch.nn.modules.batchnorm._BatchNorm", "batchnorm.py", batchnorm_base),
     (
         "torch.Tensor~_post_accumulate_grad_hooks",
-        "_fold_hooks.py (each parameter hooked once)",
+        "_buffer.py (each parameter hooked once)",
         tensor_attribute("_post_accumulate_grad_hooks"),
     ),
     ("torch._foreach_norm", "_squares.py (noise scale)", foreach_norm),
     (
         "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
-        "_fsdp_pending.py (a discarded FSDP2 window)",
+        "distributed.py (a discarded FSDP2 window)",
         fsdp_state_groups,
-    ),
-    (
-        "torch.optim.lr_scheduler.LRScheduler.step~_opt_called",
-        "_guards.py (the schedulers stepping the wrapper)",
-        scheduler_handshake,
     ),
 ]
 

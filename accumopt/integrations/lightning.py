@@ -1,11 +1,8 @@
 """Lightning (``lightning.pytorch``) with accumopt: one callback, no change to the training loop.
 
-Return an :class:`~accumopt.Accumulate` from ``configure_optimizers`` and add
-:class:`AccumulateCallback` to the ``Trainer``; keep ``accumulate_grad_batches=1`` (the
-default). Each ``training_step`` call is one micro-step::
-
-    from accumopt import Accumulate
-    from accumopt.integrations.lightning import AccumulateCallback, loss_over_items
+Return an :class:`~accumopt.Accumulate` from ``configure_optimizers``, add
+:class:`AccumulateCallback` to the ``Trainer`` and keep ``accumulate_grad_batches=1``; each
+``training_step`` is one micro-step::
 
     class Net(L.LightningModule):
         def training_step(self, batch, batch_idx):
@@ -18,380 +15,274 @@ default). Each ``training_step`` call is one micro-step::
 
     L.Trainer(callbacks=[AccumulateCallback()], gradient_clip_val=1.0).fit(Net(), loader)
 
-What the callback makes Lightning do (automatic optimization):
-
-- **Steps**: a batch inside a window is a Lightning *accumulation* batch (training_step and
-  backward only: no ``optimizer_step``, no hooks), the batch that closes the window an
-  optimizer step. So ``trainer.global_step``, ``max_steps``, step-interval LR schedulers and
-  the logging step count real updates, as without accumulation.
-- **Hooks and clipping**: ``on_before_optimizer_step`` and ``gradient_clip_val`` /
-  ``configure_gradient_clipping`` run once per update, on the window's mean gradient (Lightning
-  runs them inside the closure, after the backward pass that closes the window).
-- **The epoch's short last window** is applied at the epoch's last batch (``opt.flush()``),
-  with the same hooks and clipping on its mean (run just before the inner step).
-- **Items**: :func:`loss_over_items` (``opt.next_items(n)`` on the wrapper, the loss summed):
-  each micro-batch weighs by its items (samples, tokens); without ``Accumulate`` it returns the
-  mean, so one module trains both ways.
-- **DDP**: ``opt.set_model(trainer.strategy.model)`` at fit start: one gradient sync per update
-  and items summed over the ranks.
-
-Manual optimization: call ``opt.step()`` / ``opt.zero_grad()`` once per ``training_step`` as
-usual (``opt = self.optimizers()``, whose calls reach the wrapper). ``opt.step()`` goes through
-Lightning (hooks, the step count behind ``global_step``) only when it updates; at the epoch's
-last batch it applies the short last window. Step schedulers yourself when ``opt.did_update``.
-
-Limits: ``every_items`` needs manual optimization (Lightning decides before a batch runs
-whether it steps); ``trainer.estimated_stepping_batches`` counts batches (divide by ``every``);
-``on_before_zero_grad`` and ``on_after_backward`` run every micro-step (``.grad`` then holds
-the window's running sum, and its mean after the closing micro-step); for the flushed last
-window, hooks and Lightning's clipping run after the wrapper's own ``max_grad_norm`` clipping
-(before it at other updates; set one of the two). At the end of a ``fit`` (or its exception)
-the callback stops its wrappers counting the module's backward passes, so the module can be
-fit again with the new wrappers ``configure_optimizers`` returns; a wrapper returned again
-counts again and goes on where it stood (a window left open by a failed fit included). A
-fit that starts inside a window (resumed from a checkpoint saved mid-window, or that window
-left open) keeps the window in the wrapper's buffer for that fit, out of ``.grad``, which
-Lightning zeroes at the fit's start.
-Lightning internals used (tested with 2.6): the training epoch loop's ``_should_accumulate``
-(replaced during ``fit``) and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
-per-optimizer class and step callbacks, and the precision plugin's ``_after_closure``.
+Only the batch that closes a window is a Lightning optimizer step (``global_step``,
+schedulers, ``on_before_optimizer_step`` and ``gradient_clip_val`` see updates, on the
+window's mean gradient; also under ``"bf16-mixed"``); the epoch's short last window is applied
+at its last batch as one. DDP syncs once per update. ``self.optimizers()`` is the wrapper for
+every attribute but Lightning's own (its ``optimizer`` is the ``Accumulate``). Manual
+optimization: one ``opt.step()`` per ``training_step``; step schedulers when ``opt.did_update``.
+Limits: ``every_items`` needs manual optimization; ``"16-mixed"`` is refused;
+``on_after_backward`` runs every micro-step. After a fit the wrappers stop counting (returned
+again, they go on where they stood). Lightning internals used (2.6): the epoch loop's
+``_should_accumulate`` and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
+per-optimizer class and step callbacks, the precision plugin's ``_after_closure``.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from accumopt import _binding
-from accumopt._entry_checks import owners_agree
-from accumopt.accumulate import AccumulatingOptimizer
-
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "accumopt.integrations.lightning needs Lightning, which is not installed: "
-        'pip install "accumopt[lightning]" (or pip install lightning).'
-    ) from err
+from accumopt import Accumulate
 
 __all__ = ["AccumulateCallback", "loss_over_items"]
 
-_WHAT_TO_DO = "Remove it: the Accumulate wrapper accumulates by itself."
+_OWN = frozenset(vars(LightningOptimizer)) | {"__class__", "__dict__", "flush"}  # + its __dict__
 
 
 def loss_over_items(
-    module: pl.LightningModule,
-    loss_sum: Tensor,
-    items: float | Tensor,
-    optimizer: torch.optim.Optimizer | None = None,
+    module: pl.LightningModule, loss_sum: Tensor, items: float | Tensor, optimizer: Any = None
 ) -> Tensor:
-    """What ``training_step`` returns (or hands to ``manual_backward``) for a micro-batch whose
-    summed loss covers ``items`` items.
-
-    With an :class:`~accumopt.Accumulate` optimizer it calls ``opt.next_items(items)`` and
-    returns ``loss_sum``: the window's gradient is then the mean over every item of the window,
-    however the items were spread over micro-batches (ragged batches, token counts). With any
-    other optimizer it returns ``loss_sum / items``, the usual mean loss.
-
-    Args:
-        module: the LightningModule (call it from ``training_step``, once per backward pass).
-        loss_sum: 0-dim tensor, the loss *summed* over the micro-batch's items (e.g.
-            ``F.cross_entropy(..., reduction="sum")``), any float dtype.
-        items: how many items ``loss_sum`` covers (samples, or tokens that carry a loss): a
-            number >= 0 or a one-element tensor (one host sync); this rank's own under DDP.
-        optimizer: which optimizer the next backward pass feeds, where ``configure_optimizers``
-            returned several (raw or as ``self.optimizers()`` gives it); default: the only one.
-
-    Returns:
-        ``loss_sum`` (with Accumulate) or ``loss_sum / items`` (without): a 0-dim tensor.
-
-    Raises:
-        ValueError: several optimizers and no ``optimizer``; bad ``items`` or a count already
-            pending (from ``next_items``).
-        RuntimeError: the module is not attached to a Trainer; an Accumulate optimizer without
-            an :class:`AccumulateCallback` in the Trainer; ``next_items`` refused.
-    """
+    """The loss to backward for a micro-batch whose 0-dim summed loss covers ``items`` items
+    (this rank's): with an ``Accumulate`` (``optimizer``, where the module has several)
+    ``opt.next_items(items)`` and ``loss_sum``, so the window's gradient is the mean over all
+    its items; else the mean. ValueError: several optimizers, no ``optimizer``; bad
+    ``items``. RuntimeError: no :class:`AccumulateCallback`; ``next_items`` refused."""
     if optimizer is None:
-        found = module.optimizers(use_pl_optimizer=False)
-        if isinstance(found, list):
+        optimizer = module.optimizers(use_pl_optimizer=False)
+        if isinstance(optimizer, list):
             raise ValueError(
-                f"loss_over_items: the module has {len(found)} optimizers; expected one, or "
-                "optimizer=<the one the next backward pass feeds>."
+                f"loss_over_items: the module has {len(optimizer)} optimizers; expected one, "
+                "or optimizer=<the one the next backward pass feeds>."
             )
-        optimizer = found
-    if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer.optimizer
-    if isinstance(optimizer, AccumulatingOptimizer):
-        callbacks = getattr(module.trainer, "callbacks", [])  # set by the Trainer, undeclared
-        if not any(isinstance(c, AccumulateCallback) for c in callbacks):
-            raise RuntimeError(
-                "loss_over_items: configure_optimizers returned an Accumulate optimizer but the "
-                "Trainer has no AccumulateCallback: Lightning would step, clip and count it on "
-                "every micro-batch. Expected Trainer(callbacks=[AccumulateCallback()])."
-            )
-        optimizer.next_items(items)
-        return loss_sum
-    return loss_sum / items
+    if not isinstance(optimizer, Accumulate):
+        return loss_sum / items
+    if not any(isinstance(c, AccumulateCallback) for c in module.trainer.callbacks):  # type: ignore[attr-defined]
+        raise RuntimeError(
+            "loss_over_items: an Accumulate optimizer but the Trainer has no "
+            "AccumulateCallback, so Lightning would step, clip and count every micro-batch. "
+            "Expected Trainer(callbacks=[AccumulateCallback()])."
+        )
+    optimizer.next_items(items)
+    return loss_sum
 
 
 class AccumulateCallback(pl.Callback):
-    """Make a ``Trainer`` step every :class:`~accumopt.Accumulate` returned by
-    ``configure_optimizers`` once per window, exactly (see the module docstring).
+    """Make a ``Trainer`` step every :class:`~accumopt.Accumulate` of ``configure_optimizers``
+    once per window, exactly (see the module docstring).
 
-    Takes no arguments; add one instance to ``Trainer(callbacks=[...])``. At ``on_fit_start``
-    it checks the configuration, gives each wrapper the strategy's DDP module (automatic
-    optimization), routes ``self.optimizers()`` calls to the wrapper and tells Lightning's
-    training loop which batches are accumulation batches; ``teardown`` (and ``on_exception``)
-    undoes the last and stops the wrappers counting the module's backward passes.
-
-    Raises (from ``trainer.fit``, before any update unless stated):
-        ValueError: no ``Accumulate`` among the optimizers; ``accumulate_grad_batches != 1``
-            (checked again every batch, as callbacks may change it); a strategy that
-            accumulates itself (DeepSpeed); ``every_items`` in automatic optimization; a
-            step-interval LR scheduler with ``frequency != 1`` (Lightning counts its
-            frequency in batch indices, which are no longer updates).
-        RuntimeError: in manual optimization, a further ``opt.step()`` in the epoch's last
-            batch after the short last window was applied there (raised at that call).
+    Raises (from ``trainer.fit``, before any update): ValueError: no ``Accumulate``;
+    ``accumulate_grad_batches != 1`` (also checked every batch); a strategy that accumulates
+    itself; ``"16-mixed"``; in automatic optimization ``every_items`` or a step scheduler with
+    ``frequency != 1``. RuntimeError: a second manual ``opt.step()`` in the epoch's last batch.
     """
 
     def __init__(self) -> None:
-        self._accs: list[AccumulatingOptimizer] = []
-        self._loop: Any = None  # the training epoch loop whose _should_accumulate is ours
+        self._accs: list[Accumulate] = []
+        self._trainer: pl.Trainer | None = None
+        self._undo: list[tuple[Any, str]] = []  # (object, attribute) replaced for the fit
+        self._handles: list[Any] = []  # the wrappers' load_state_dict hooks
         self._decision = (-1, False)  # (batch, accumulate?) decided at the batch's start
         self._flushed: dict[int, int] = {}  # id(wrapper) -> the batch whose step flushed it
-        self._handles: list[Any] = []  # the wrappers' load_state_dict hooks
-
-    # ------------------------------------------------------------------ Lightning hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Check the configuration and wire the wrappers in (see the class docstring)."""
-        self._accs = [o for o in trainer.optimizers if isinstance(o, AccumulatingOptimizer)]
+        self._accs = [o for o in trainer.optimizers if isinstance(o, Accumulate)]
         _check_setup(trainer, pl_module, self._accs)
-        model = trainer.strategy.model
-        if isinstance(model, DistributedDataParallel):
-            # one gradient sync per update, items over the ranks; manual_backward runs inside
-            # DDP's forward, before any output exists: count those passes at the parameters
-            count_at = "outputs" if pl_module.automatic_optimization else "parameters"
-            for acc in self._accs:
-                if acc.model is not model:
-                    acc.set_model(model, count_at=count_at)
+        self._trainer, self._decision, self._flushed = trainer, (-1, False), {}
+        model = trainer.strategy.model  # manual_backward runs inside DDP's forward:
+        count_at = "outputs" if pl_module.automatic_optimization else "parameters"
         for acc in self._accs:
-            _binding.reattach(acc)  # returned again after an earlier fit released it
-            _binding.keep_out_of_grad(acc)  # a window left open by a fit that raised
-            # Lightning restores a checkpoint after this hook: the window it may hold too
-            self._handles.append(acc.register_load_state_dict_post_hook(_binding.keep_out_of_grad))
+            acc.reattach()  # returned again after an earlier fit released it
+            if isinstance(model, DistributedDataParallel) and acc.model is not model:
+                acc.set_model(model, count_at=count_at)
+            _keep_out_of_grad(acc)  # left open by a fit that raised; or restored after this:
+            self._handles.append(acc.register_load_state_dict_post_hook(_keep_out_of_grad))
             if trainer.world_size > 1:  # every rank loads rank 0's optimizer state
-                agree = owners_agree(trainer.strategy.reduce_boolean_decision)
-                self._handles.append(acc.register_load_state_dict_pre_hook(agree))
-        wrapped = pl_module.optimizers(use_pl_optimizer=True)
+                self._handles.append(acc.agree_on_loads(trainer.strategy.reduce_boolean_decision))
+        wrapped = pl_module.optimizers()
         for lopt in wrapped if isinstance(wrapped, list) else [wrapped]:
-            if isinstance(lopt.optimizer, AccumulatingOptimizer):
+            if isinstance(lopt.optimizer, Accumulate):
                 _route_to_wrapper(lopt, self)
-        self._loop = trainer.fit_loop.epoch_loop
-        self._loop._should_accumulate = lambda: self._should_accumulate(trainer, pl_module)
-        self._decision, self._flushed = (-1, False), {}
+        loop = trainer.fit_loop.epoch_loop
+        self._replace(loop, "_should_accumulate", partial(self._should_accumulate, pl_module))
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision):  # bf16: it refuses to clip for any optimizer
+            # whose step() takes GradScaler's arguments (Accumulate's); its .grad is plain here
+            self._replace(plugin, "clip_gradients", partial(Precision.clip_gradients, plugin))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Apply a window still open at the epoch's end (normally applied at its last batch
-        already; left open by an epoch cut short, e.g. a training_step that returned None)."""
-        for acc in self._accs:
+        for acc in self._accs:  # left open by an epoch cut short (training_step -> None)
             acc.flush()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Give Lightning's training loop its own accumulation rule back, and stop the wrappers
-        counting the module's backward passes (:func:`accumopt._binding.release`): a later
-        fit of the module with other wrappers must not be counted into these."""
-        if self._loop is not None:
-            self._loop.__dict__.pop("_should_accumulate", None)
-            self._loop = None
+        # the wrappers stop counting: another fit's passes are not theirs
+        for obj, name in self._undo:
+            obj.__dict__.pop(name, None)
         for acc in self._accs:
-            _binding.release(acc)
+            acc.release()
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._undo, self._handles, self._trainer = [], [], None
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        """A fit that raised: as :meth:`teardown` (Lightning runs no teardown hook then). The
-        open window stays in the wrappers, for a checkpoint callback that saves it."""
-        self.teardown(trainer, pl_module, "fit")
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # the open window stays, for a checkpoint
 
-    # ------------------------------------------------------------------ the wiring
+    def _replace(self, obj: Any, name: str, value: Any) -> None:
+        setattr(obj, name, value)
+        self._undo.append((obj, name))
 
-    def _should_accumulate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Lightning's question "is this batch an accumulation batch (no optimizer step)?".
-
-        Automatic optimization asks before the batch runs: yes unless the batch's backward pass
-        closes the window (``every`` is known) or the batch is the epoch's last; the answer is
-        kept for the batch. Manual optimization asks after it: whether a window is open.
-        """
-        _check_no_lightning_accumulation(trainer)
-        loop = self._loop
+    def _should_accumulate(self, pl_module: pl.LightningModule) -> bool:
+        """Lightning's "no optimizer step for this batch?". Automatic optimization asks before
+        the batch: yes unless its pass closes the window or it is the epoch's last (kept for
+        the batch). Manual optimization asks after it: whether a window is open."""
+        assert self._trainer is not None
+        _check_no_lightning_accumulation(self._trainer)
         if not pl_module.automatic_optimization:
             return any(acc.micro_step > 0 for acc in self._accs)
+        loop = self._trainer.fit_loop.epoch_loop
         batch = loop.batch_progress.total.ready
         if self._decision[0] != batch:
-            acc = self._accs[0]
-            closes = acc.will_update or _next_closes(acc)
+            closes = self._accs[0].will_update or _next_closes(self._accs[0])
             self._decision = (batch, not (closes or loop._num_ready_batches_reached()))
         return self._decision[1]
 
-    def _step(
-        self,
-        lopt: LightningOptimizer,
-        closure: Callable[[], Any] | None,
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """``LightningOptimizer.step`` of a wrapper: Lightning's own step (hooks, clipping,
-        progress) only for a micro-step that updates; a plain wrapper step inside the window;
+    def _step(self, lopt: LightningOptimizer, closure: Callable[[], Any] | None, **kw: Any) -> Any:
+        """``LightningOptimizer.step``: Lightning's own step only for a micro-step that updates;
         the short last window applied at the epoch's last batch."""
-        acc: AccumulatingOptimizer = lopt.optimizer  # type: ignore[assignment]
-        trainer = lopt._strategy.lightning_module.trainer  # type: ignore[union-attr]
-        loop = self._loop
+        acc: Accumulate = lopt.optimizer  # type: ignore[assignment]
+        if self._trainer is None:  # a proxy kept from an earlier fit
+            return acc.step(closure)
+        loop = self._trainer.fit_loop.epoch_loop
         batch = loop.batch_progress.total.ready
         if self._flushed.get(id(acc)) == batch:
             raise RuntimeError(
                 "AccumulateCallback: opt.step() was called again in the epoch's last batch, "
-                "after the epoch's last window was applied at that batch's first opt.step(); "
-                "expected one opt.step() per training_step in manual optimization. Run the "
-                "micro-steps of one batch in separate training_step calls (batches)."
+                "after its first applied the epoch's last window; expected one per batch."
             )
         if closure is not None and _next_closes(acc):  # its backward pass closes the window
-            return LightningOptimizer.step(lopt, closure, **kwargs)
+            return LightningOptimizer.step(lopt, closure, **kw)
         value, before = None, acc.micro_step
         if closure is not None:
             with torch.enable_grad():
                 value = closure()  # the micro-step's forward and backward, before deciding
         if acc.will_update:
-            return LightningOptimizer.step(lopt, lambda: value, **kwargs)
+            return LightningOptimizer.step(lopt, lambda: value, **kw)
         if closure is None or value is not None or acc.micro_step != before:
-            acc.step()  # a micro-step inside the window (raises without a backward pass)
-        # else: training_step returned None (Lightning skips the batch): no micro-step to end
-        if trainer.training and loop._num_ready_batches_reached():
+            acc.step()  # a micro-step inside the window (None: Lightning skipped the batch)
+        if self._trainer.training and loop._num_ready_batches_reached():
             self._flushed[id(acc)] = batch
-            _apply_last_window(lopt, acc, trainer)
+            self._flush(lopt)
         return value
 
+    def _flush(self, lopt: LightningOptimizer) -> bool:
+        """``opt.flush()`` as a Lightning optimizer step: counted, with the hooks and clipping
+        on the window's mean just before the inner step (after ``max_grad_norm``'s)."""
+        acc: Accumulate = lopt.optimizer  # type: ignore[assignment]
+        if self._trainer is None or not acc.micro_step:
+            return acc.flush()
+        module, precision = self._trainer.lightning_module, self._trainer.precision_plugin
+        lopt._on_before_step()  # manual optimization: the step count behind global_step
+        handle = acc.optimizer.register_step_pre_hook(
+            lambda *_: precision._after_closure(module, acc)  # hooks, then clipping
+        )
+        try:
+            applied = acc.flush()
+        finally:
+            handle.remove()
+        lopt._on_after_step()
+        return applied
 
-def _next_closes(acc: AccumulatingOptimizer) -> bool:
-    """Whether the next backward pass surely closes ``acc``'s window (``every`` only; a window
-    schedule that has not answered is asked now, before the batch)."""
-    window = acc._window  # no valid size: the batch's backward pass is refused
-    return window.answered() and not acc.will_update and window.next_closes()
+
+def _next_closes(acc: Accumulate) -> bool:
+    """Whether the next backward pass surely closes ``acc``'s window (``every`` only; a
+    schedule that has not answered is asked now)."""
+    every = None if acc.will_update else acc.every
+    return every is not None and acc.micro_step + 1 >= every
 
 
-def _apply_last_window(
-    lopt: LightningOptimizer, acc: AccumulatingOptimizer, trainer: pl.Trainer
-) -> None:
-    """``acc.flush()`` as a Lightning optimizer step: counted by the loop like one, with
-    ``on_before_optimizer_step`` and gradient clipping run on the window's mean just before the
-    inner step (a pre-step hook of the inner optimizer, removed afterwards)."""
-    module = trainer.lightning_module
-    precision = trainer.precision_plugin
-
-    def before_inner_step(*_: Any) -> None:
-        precision._after_closure(module, acc)  # the hooks, then clipping, as in Lightning
-
-    lopt._on_before_step()  # manual optimization: the step count behind global_step
-    handle = acc.optimizer.register_step_pre_hook(before_inner_step)
+def _keep_out_of_grad(acc: Any) -> None:
+    """Move an open window out of the ``.grad`` Lightning zeroes at a fit's start and after
+    restoring a checkpoint, into the wrapper's buffer (RuntimeError where it cannot)."""
     try:
-        acc.flush()
-    finally:
-        handle.remove()
-    lopt._on_after_step()
+        if acc.micro_step:
+            acc.enable_rollback()
+    except RuntimeError as err:
+        raise RuntimeError(f"AccumulateCallback: a fit that starts mid-window: {err}") from err
 
 
 def _route_to_wrapper(lopt: LightningOptimizer, callback: AccumulateCallback) -> None:
-    """Send ``self.optimizers()`` calls to the wrapper itself.
+    """Make ``self.optimizers()`` the wrapper for every attribute but Lightning's own: its
+    per-optimizer class subclasses the wrapper's, so a wrapper method ran with the proxy as
+    ``self`` (and setters set the proxy). ``step`` and ``flush`` go to the callback."""
+    cls, get = type(lopt), object.__getattribute__
 
-    ``LightningOptimizer`` gives each optimizer a class of its own that subclasses the
-    optimizer's class: a wrapper method called through it would run on the LightningOptimizer
-    (``next_items``, ``flush`` and others store state on ``self``, which would be lost). Every
-    public method and property of the wrapper's class (and of its bases, ``torch.optim``'s
-    included) is forwarded instead, and ``step`` goes to the callback.
-    """
-    cls = type(lopt)
-    if cls is LightningOptimizer:  # pragma: no cover - Lightning always makes its own class
-        return
-    own = set(dir(LightningOptimizer))
-    for name in dir(AccumulatingOptimizer):
-        value = inspect.getattr_static(AccumulatingOptimizer, name)
-        if name.startswith("_") or name in own:
-            continue
-        if isinstance(value, property):
-            setattr(cls, name, property(_forwarded(name, call=False)))
-        elif inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod)):
-            setattr(cls, name, _forwarded(name))
+    def own(self: LightningOptimizer, name: str) -> bool:
+        return name in _OWN or name in get(self, "__dict__")
 
-    def step(self: LightningOptimizer, closure: Callable[[], Any] | None = None, **kw: Any) -> Any:
-        return callback._step(self, closure, kw)
+    def __getattribute__(self: LightningOptimizer, name: str) -> Any:
+        return get(self, name) if own(self, name) else getattr(get(self, "_optimizer"), name)
 
-    cls.step = step  # type: ignore[method-assign]
+    def __setattr__(self: LightningOptimizer, name: str, value: Any) -> None:
+        if own(self, name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._optimizer, name, value)
 
-
-def _forwarded(name: str, call: bool = True) -> Callable[..., Any]:
-    def method(self: LightningOptimizer, *args: Any, **kwargs: Any) -> Any:
-        value = getattr(self.optimizer, name)
-        return value(*args, **kwargs) if call else value
-
-    method.__name__ = name
-    method.__doc__ = f"``Accumulate.{name}`` of the wrapped optimizer."
-    return method
+    cls.__getattribute__ = __getattribute__  # type: ignore[method-assign, assignment]
+    cls.__setattr__ = __setattr__  # type: ignore[method-assign, assignment]
+    cls.step = lambda self, closure=None, **kw: callback._step(self, closure, **kw)  # type: ignore[method-assign]
+    cls.flush = lambda self: callback._flush(self)  # type: ignore[attr-defined]
 
 
 def _check_no_lightning_accumulation(trainer: pl.Trainer) -> None:
     steps = trainer.accumulate_grad_batches
     if steps != 1:
         raise ValueError(
-            f"AccumulateCallback: Trainer(accumulate_grad_batches={steps}) with an Accumulate "
-            f"optimizer: Lightning would divide every loss by {steps} and step only every "
-            f"{steps} batches, on top of the wrapper's own window, so every update would be "
-            f"1/{steps} of the right one. Expected accumulate_grad_batches=1 (the default; "
-            f"also no GradientAccumulationScheduler). {_WHAT_TO_DO}"
+            f"AccumulateCallback: Trainer(accumulate_grad_batches={steps}) divides every loss "
+            f"by {steps} on top of the wrapper's window: each update would be 1/{steps} of the "
+            "right one. Expected accumulate_grad_batches=1 (no GradientAccumulationScheduler)."
         )
 
 
-def _check_setup(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, accs: list[AccumulatingOptimizer]
-) -> None:
+def _check_setup(trainer: pl.Trainer, module: pl.LightningModule, accs: list[Accumulate]) -> None:
     """Refuse what would make the updates silently wrong (see AccumulateCallback)."""
     if not accs:
         raise ValueError(
             "AccumulateCallback: configure_optimizers returned no Accumulate optimizer "
             f"(got {[type(o).__name__ for o in trainer.optimizers]}); expected e.g. "
-            "Accumulate(torch.optim.SGD(self.parameters(), lr=0.1), every=4), or remove "
-            "the callback."
+            "Accumulate(torch.optim.SGD(...), every=4). Return one, or remove the callback."
         )
     _check_no_lightning_accumulation(trainer)
     if trainer.strategy.handles_gradient_accumulation:
         raise ValueError(
             f"AccumulateCallback: the {type(trainer.strategy).__name__} accumulates gradients "
-            "itself (it owns the gradients and the step); expected a strategy that does not "
-            "(single device, DDP). Use its own accumulation setting instead of Accumulate."
+            "itself; expected a single device or DDP. Use its own accumulation instead."
         )
-    if pl_module.automatic_optimization:
-        if accs[0].every is None:
+    plugin = trainer.precision_plugin
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+        raise ValueError(
+            "AccumulateCallback: precision='16-mixed' (a GradScaler): Lightning leaves the "
+            "unscaling to the wrapper's step, so hooks and clipping would see scaled gradients "
+            "and a flushed window would be applied scaled. Expected 'bf16-mixed' or '32-true'."
+        )
+    if module.automatic_optimization and accs[0].every is None:
+        raise ValueError(
+            f"AccumulateCallback: Accumulate(every_items={accs[0].every_items:g}) in automatic "
+            "optimization, where Lightning decides before a batch whether it steps; expected "
+            "every=N (items still weigh each micro-batch), or manual optimization."
+        )
+    for config in trainer.lr_scheduler_configs if module.automatic_optimization else []:
+        if config.interval == "step" and config.frequency != 1:
             raise ValueError(
-                f"AccumulateCallback: Accumulate(every_items={accs[0].every_items:g}) in "
-                "automatic optimization: Lightning decides before a batch runs whether it "
-                "steps, and a window in items ends only after its last backward pass. "
-                "Expected every=N (micro-batches per update; items still weight each one), "
-                "or manual optimization (self.automatic_optimization = False)."
+                f"AccumulateCallback: an LR scheduler with interval='step' and frequency="
+                f"{config.frequency}: Lightning counts micro-batches for it, not updates. "
+                f"Expected frequency=1 (e.g. a LambdaLR of step // {config.frequency})."
             )
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and config.frequency != 1:
-                raise ValueError(
-                    f"AccumulateCallback: an LR scheduler with interval='step' and "
-                    f"frequency={config.frequency}: Lightning checks the frequency against "
-                    "the batch index, which counts micro-batches, not updates, so it would "
-                    "step at the wrong updates. Expected frequency=1; to change the rate every "
-                    f"{config.frequency} updates, build that into the schedule (e.g. a "
-                    f"LambdaLR of step // {config.frequency})."
-                )

@@ -303,6 +303,7 @@ def autosize(plan: Plan, device: torch.device) -> dict[str, Any]:
         lambda b: sum_loss(model, b),
         micro_batch_size="auto",
         device=device,
+        loss_reduction="sum",
     )
     began = time.perf_counter()
     with limited(model, plan) as record:

@@ -1,9 +1,7 @@
-"""The runner's lean path into the wrapper: inside a window it skips the full check of a
-micro-step's refusals when none can apply (``Accumulate._backward_here``) and does what
-``step()`` and ``zero_grad()`` do there without calling them (``_step_inside_window``). It must
-refuse what the public path refuses, before any gradient, and keep every ``step()`` call that
-someone else observes (step hooks, a subclass, an LR scheduler's wrapper); and it must keep
-training exact when the model is compiled. Every case trains against a float64 reference."""
+"""The runner drives the wrapper through its public API only (``opt.backward``, ``step()``,
+``zero_grad()``): it refuses what a plain loop is refused, before any gradient, makes every
+``step()`` call someone else observes (step hooks, a subclass, an LR scheduler's wrapper), and
+trains exactly when the model is compiled. Every case trains against a float64 reference."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from test_runner import stepped_copy
 from torch import nn
 
 import accumopt.distributed
-from accumopt import Accumulate, MicroBatchRunner
+from accumopt import Accumulate, MicroBatchRunner, Phase
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,11 +51,11 @@ def unchanged(model: nn.Module, before: list[torch.Tensor]) -> bool:
 
 def test_a_closed_window_and_a_waiting_count_are_refused_mid_window() -> None:
     model, acc, (x, y), _ = setup(95, 12)
-    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4)
+    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4, loss_reduction="sum")
     runner((x[:4], y[:4]))
     acc.backward(((model(x[4:]) - y[4:]) ** 2).sum(), items=8)  # closes the window
     before = grads(model)
-    with pytest.raises(RuntimeError, match="window closed"):
+    with pytest.raises(RuntimeError, match="complete and waits for step"):
         runner((x[:4], y[:4]))
     assert acc.micro_step == 2 and acc.will_update and unchanged(model, before)
     acc.step()  # not paused: the closed window is applied as it was
@@ -78,8 +76,8 @@ def test_a_window_of_unweighted_micro_steps_is_refused_before_any_gradient() -> 
         acc.step()
     before = grads(model)
     with pytest.raises(ValueError, match="weighted"):
-        MicroBatchRunner(acc, summed(model), micro_batch_size=4)((x, y))
-    assert acc.micro_step == 2 and unchanged(model, before) and not acc._counter.paused
+        MicroBatchRunner(acc, summed(model), micro_batch_size=4, loss_reduction="sum")((x, y))
+    assert acc.micro_step == 2 and unchanged(model, before) and acc.phase is Phase.OPEN
 
 
 def test_a_pass_that_died_inside_loss_fn_is_refused_mid_window() -> None:
@@ -101,10 +99,10 @@ def test_a_pass_that_died_inside_loss_fn_is_refused_mid_window() -> None:
                 model[2](model[1](hidden)).sum().backward()
         return ((model(b[0]) - b[1]) ** 2).sum()
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4, loss_reduction="sum")
     with pytest.raises(RuntimeError, match="failed part-way"):
         runner((x, y))
-    assert acc.micro_step == 1 and acc._counter.paused
+    assert acc.micro_step == 1 and acc.phase is Phase.PASS
     acc.discard()
     runner((x, y))
     assert acc.updates == 1
@@ -118,7 +116,7 @@ def test_items_under_a_process_group_set_up_mid_window_are_refused(
     micro-step, also where the window's first micro-step saw no process group (one set up
     since, or a window restored from a checkpoint)."""
     model, acc, (x, y), _ = setup(98, 8)
-    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4)
+    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4, loss_reduction="sum")
     runner((x[:4], y[:4]))
     dist = accumopt.distributed.dist
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -149,14 +147,14 @@ def test_every_step_call_someone_observes_is_made() -> None:
     model, acc, batch, ref = setup(99, 8)
     pre: list[int] = []
     acc.register_step_pre_hook(lambda *_: pre.append(acc.micro_step))
-    MicroBatchRunner(acc, summed(model), micro_batch_size=2)(batch)
+    MicroBatchRunner(acc, summed(model), micro_batch_size=2, loss_reduction="sum")(batch)
     assert pre == [1, 2, 3, 4] and acc.updates == 1 and acc.did_update
     assert_same_params(model, ref, rtol=1e-12)
 
     model, batch, ref = fresh(99, 8)
     logged = Logged(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
     logged.log = []
-    MicroBatchRunner(logged, summed(model), micro_batch_size=2)(batch)
+    MicroBatchRunner(logged, summed(model), micro_batch_size=2, loss_reduction="sum")(batch)
     assert logged.log == ["step", "zero_grad"] * 4 and logged.updates == 1
     assert_same_params(model, ref, rtol=1e-12)
 
@@ -170,7 +168,7 @@ def test_every_step_call_someone_observes_is_made() -> None:
         return scheduled(*args, **kwargs)
 
     acc.step = wrapped  # type: ignore[method-assign]
-    MicroBatchRunner(acc, summed(model), micro_batch_size=2)(batch)
+    MicroBatchRunner(acc, summed(model), micro_batch_size=2, loss_reduction="sum")(batch)
     assert calls == [1, 2, 3, 4] and acc.updates == 1
     assert_same_params(model, ref, rtol=1e-12)
 
@@ -186,7 +184,7 @@ def test_a_compiled_model_trains_exactly_by_runner_and_plain_loop_in_turn(compil
     outer = model if compiled == "the model" else nn.Sequential(model, nn.Identity())
     module = torch.compile(outer, backend="eager")
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=module)
-    runner = MicroBatchRunner(acc, summed(module), micro_batch_size=4)
+    runner = MicroBatchRunner(acc, summed(module), micro_batch_size=4, loss_reduction="sum")
     reference = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(4):
         if step % 2:
@@ -212,44 +210,9 @@ def test_the_mean_loss_keeps_the_shape_of_the_losses(micro: int) -> None:
         return ((model(b[0]) - b[1]) ** 2).sum().reshape(1)
 
     expected = loss_fn(batch).detach() / 8
-    mean = MicroBatchRunner(acc, loss_fn, micro_batch_size=micro)(batch)
+    mean = MicroBatchRunner(acc, loss_fn, micro_batch_size=micro, loss_reduction="sum")(batch)
     assert mean.shape == (1,)
     torch.testing.assert_close(mean, expected, rtol=1e-12, atol=0)
-
-
-def test_the_counting_forward_hook_is_out_only_while_loss_fn_runs() -> None:
-    """The runner's forward passes run without the counting hook (torch's fast call path where
-    the model has no other hook), and it is put back at its place among the user's hooks
-    (one registered before, one after, one prepended), also when ``loss_fn`` raises: a plain
-    loop afterwards is still counted at the model's outputs."""
-    model, (x, y), ref = fresh(96, 8)
-    seen: list[str] = []
-    model.register_forward_hook(lambda *_: seen.append("before"))
-    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8, model=model)
-    model.register_forward_hook(lambda *_: seen.append("after"))
-    model.register_forward_hook(lambda *_: seen.append("first"), prepend=True)
-    order = list(model._forward_hooks)
-    inside: list[list[int]] = []
-
-    def loss_fn(b: Batch) -> torch.Tensor:
-        inside.append(list(model._forward_hooks))
-        if len(inside) == 2:
-            raise KeyError("loss_fn failed")
-        return ((model(b[0]) - b[1]) ** 2).sum()
-
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=4)
-    with pytest.raises(KeyError):
-        runner((x, y))
-    assert inside == [[k for k in order if k != order[2]]] * 2  # ours (third) out, the rest kept
-    assert list(model._forward_hooks) == order and seen[:3] == ["first", "before", "after"]
-    acc.discard()
-    with pytest.raises(ValueError, match="without an item count"):  # counted: the hook is back
-        ((model(x) - y) ** 2).sum().backward()
-    acc.discard()
-    runner = MicroBatchRunner(acc, summed(model), micro_batch_size=4)
-    runner((x, y))
-    assert acc.updates == 1
-    assert_same_params(model, ref)
 
 
 def test_a_removed_counter_is_not_hooked_again_by_the_runner() -> None:
@@ -262,6 +225,6 @@ def test_a_removed_counter_is_not_hooked_again_by_the_runner() -> None:
             acc.set_model(None)  # the old counter is removed, the wrapper counts at parameters
         return ((model(b[0]) - b[1]) ** 2).sum()
 
-    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=8)
+    runner = MicroBatchRunner(acc, loss_fn, micro_batch_size=8, loss_reduction="sum")
     runner((x, y))
     assert len(model._forward_hooks) == 0 and acc.updates == 1
