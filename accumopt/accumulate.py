@@ -311,7 +311,7 @@ class Accumulate(torch.optim.Optimizer):
         refusal = self._rules.refusal(s, weight is not None)
         if refusal is not None:
             raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
-        if weight is not None and not s.micro_step:  # a process group lasts the window
+        if weight is not None:
             self._sync.check_weighted()
         return weight
 

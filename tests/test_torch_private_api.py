@@ -292,7 +292,7 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         "_buffer.py (each parameter hooked once)",
         tensor_attribute("_post_accumulate_grad_hooks"),
     ),
-    ("torch._foreach_norm", "_squares.py (noise scale)", foreach_norm),
+    ("torch._foreach_norm", "noise.py (noise scale)", foreach_norm),
     (
         "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
         "distributed.py (a discarded FSDP2 window)",
