@@ -5,19 +5,19 @@ tr(Σ)/|G|²`` (``G`` the true gradient, ``Σ`` the per-item covariance) predict
 batch size. As ``E|G_B|² = |G|² + tr(Σ)/B`` for ``B`` i.i.d. items, the squared norms of the
 gradients of a window's first micro-step (under DDP each rank's own) and of the whole window
 estimate both parts, each smoothed by a bias-corrected EMA. ``B`` counts items in weighted
-windows, else micro-batches over all ranks; the weights are assumed fixed within a window.
-"""
+windows, else micro-batches over all ranks; the weights are assumed fixed within a window."""
 
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from accumopt._checks import positive_int
 
 if TYPE_CHECKING:
     from accumopt.accumulate import Accumulate
@@ -43,8 +43,7 @@ class NoiseScale:
                 f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
                 "window (e.g. 0.95), or None for the plain mean over all windows."
             )
-        whole = isinstance(every_windows, numbers.Integral) and type(every_windows) is not bool
-        if every_windows is not None and not (whole and every_windows >= 1):
+        if every_windows is not None and not positive_int(every_windows):
             raise ValueError(
                 f"NoiseScale: every_windows={every_windows!r} is not an int >= 1; expected how "
                 "many windows make one measured window (1: every window), or None."
@@ -248,9 +247,8 @@ class SquaredNorm:
     devices) divided by ``loss_scale²`` (AMP's scale, a 0-dim tensor, or None): a 0-dim tensor
     on the first gradient's device, float64 if a gradient is, else float32; no host sync;
     RuntimeError for a complex gradient. Small dense CPU gradients are stacked by shape and
-    dotted (a norm per tensor costs about 1.5 us on a CPU), the others take
-    ``torch._foreach_norm``; the grouping is planned per gradient count: one instance per model.
-    """
+    dotted (a norm per tensor costs ~1.5 us on a CPU), the others take ``torch._foreach_norm``;
+    the grouping is planned per gradient count: one instance per model."""
 
     def __init__(self) -> None:
         self._plans: dict[int, list[Callable[[list[Tensor]], Any]] | None] = {}

@@ -1,6 +1,5 @@
-"""Run one large batch as micro-batches through an ``Accumulate`` wrapper, surviving OOM:
-:class:`MicroBatchRunner` weighs each micro-batch by its items and, with ``"auto"``, finds the
-largest one that fits from out-of-memory errors, losing or repeating no sample."""
+"""Feed one large batch to an ``Accumulate`` wrapper as micro-batches weighed by their items;
+with ``"auto"``, find the largest one that fits from OOM errors, losing or repeating no sample."""
 
 from __future__ import annotations
 
@@ -104,16 +103,13 @@ class MicroBatchRunner:
                 f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "
                 "or 'auto'."
             )
-        if loss_reduction is None:
-            raise TypeError(
-                "MicroBatchRunner: loss_reduction is required; expected 'mean' if loss_fn "
-                "returns the micro-batch's mean loss (torch's default) or 'sum' if its summed "
-                "loss (the 0.1 default). A wrong one scales every update by the items."
-            )
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"MicroBatchRunner: loss_reduction={loss_reduction!r}; expected 'mean' (loss_fn "
-                "returns the mean over its items, as torch's losses do) or 'sum'."
+            error = TypeError if loss_reduction is None else ValueError
+            given = " is required" if loss_reduction is None else f"={loss_reduction!r} is unknown"
+            raise error(
+                f"MicroBatchRunner: loss_reduction{given}; expected 'mean' if loss_fn returns the "
+                "micro-batch's mean loss (torch's default) or 'sum' if its summed loss (the 0.1 "
+                "default). A wrong one scales every update by the items."
             )
         check_search("MicroBatchRunner", "start_size", start_size, tolerance, grow_after, max_size)
         self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
