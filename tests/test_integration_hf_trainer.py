@@ -51,7 +51,7 @@ from transformers import (
 )
 
 from accumopt import Accumulate, MicroBatchRunner
-from accumopt.integrations import _hf_loss, _hf_window_file, hf_trainer
+from accumopt.integrations import hf_trainer
 from accumopt.integrations.hf_trainer import AccumulateTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -636,7 +636,7 @@ def test_hf_trainer_label_shift_of_overrides_and_peft_wrappers(
     del model._loss_function, model.loss_type  # transformers' own loss function, as shipped
     model.__class__ = LossOfItsOwn
     with pytest.raises(ValueError, match="cannot tell whether the loss"):
-        _hf_loss.loss_shifts(model, trainer_guess=True, own_loss=False)
+        hf_trainer._loss_shifts(model, trainer_guess=True, own_loss=False)
 
     class Peft(nn.Module):  # the shape of peft.PeftModel: base_model.model is the model
         def __init__(self, inner: nn.Module) -> None:
@@ -649,7 +649,7 @@ def test_hf_trainer_label_shift_of_overrides_and_peft_wrappers(
     monkeypatch.setattr(transformers.trainer_utils, "_is_peft_model", lambda m: isinstance(m, Peft))
     stock = gpt2()
     del stock._loss_function, stock.loss_type
-    assert _hf_loss.loss_shifts(Peft(stock), trainer_guess=True, own_loss=False)
+    assert hf_trainer._loss_shifts(Peft(stock), trainer_guess=True, own_loss=False)
 
 
 def test_hf_trainer_refuses_other_gradient_accumulation_steps() -> None:
@@ -992,9 +992,9 @@ def test_hf_trainer_refuses_stock_models_whose_own_loss_code_is_not_a_label_mean
     user's."""
     for name in ("MusicgenForConditionalGeneration", "MusicgenMelodyForCausalLM"):
         model = type(name, (nn.Module,), {"loss_type": "ForConditionalGeneration"})()
-        refusal = _hf_loss.loss_refusal(model, own_count=False, own_loss=False)
+        refusal = hf_trainer._loss_refusal(model, own_count=False, own_loss=False)
         assert refusal is not None and f"{name}, loss_type" in refusal
-        assert _hf_loss.loss_refusal(model, own_count=True, own_loss=False) is None
+        assert hf_trainer._loss_refusal(model, own_count=True, own_loss=False) is None
 
 
 def test_hf_trainer_warns_for_a_mixture_of_experts_router_loss() -> None:
@@ -1032,5 +1032,5 @@ def test_hf_trainer_ignores_a_window_file_without_accumopt_state_beside_it(
     path = tmp_path / hf_trainer.WINDOW_FILE.format(rank=0)
     torch.save(opt.state_dict(), path)
     with caplog.at_level(logging.WARNING, logger="accumopt"):
-        assert _hf_window_file.resume(opt, str(tmp_path), 0, "cpu", lambda: None) is None
+        assert hf_trainer._resume_window(opt, str(tmp_path), 0, "cpu", lambda: None) is None
     assert "no optimizer.pt with accumopt's state" in caplog.text

@@ -1,29 +1,10 @@
-"""Hugging Face Accelerate with accumopt: ``prepare(accelerator, model, Accumulate(opt), ...)``.
-
-Call :func:`prepare` where you would call ``accelerator.prepare``::
-
-    accelerator = Accelerator()                  # gradient_accumulation_steps=1 (the default)
-    opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
-    model, optimizer, loader, sched = accumopt_accelerate.prepare(
-        accelerator, model, opt, loader, sched)
-    for batch in loader:
-        opt.next_items(batch["y"].numel())   # this rank's items; the loss is their sum
-        accelerator.backward(loss_fn(model(batch["x"]), batch["y"], reduction="sum"))
-        optimizer.step()                     # the inner optimizer steps at the boundary only
-        sched.step()                         # AcceleratedScheduler: on real updates only
-        optimizer.zero_grad()
-    if opt.flush():                          # the short last window, exact
-        sched.step()
-
-The wrapper learns the prepared DDP model (one all-reduce per update, items summed over the
-ranks), whichever call brings it. ``step_was_skipped`` is True for every ``step()`` that did
-not update. Under fp16 Accelerate steps its GradScaler every micro-step: build the wrapper
-with ``scaler=accelerator.scaler``. Every rank saves its own window beside ``optimizer.bin``
-(``accumopt_window_{i}_rank{r}.pt``), so ``load_state`` resumes mid-window exactly. Refused
-before any wrong update: ``gradient_accumulation_steps != 1`` (at ``prepare`` and every
-step), DeepSpeed / FSDP / Megatron-LM / XLA, ``accelerator.clip_grad_norm_`` /
-``clip_grad_value_`` inside a window, a wrapper prepared by plain ``accelerator.prepare``,
-and on several processes a wrapper without its DDP model.
+"""Hugging Face Accelerate with accumopt (``examples/accelerate_digits.py``): call
+:func:`prepare` where you would call ``accelerator.prepare`` (``gradient_accumulation_steps=1``),
+then per batch ``opt.next_items(n)``, ``accelerator.backward(loss_sum)``, ``optimizer.step()``
+(the inner optimizer steps at the boundary only) and ``sched.step()`` (on real updates only);
+``opt.flush()`` applies the short last window. Each rank saves its own window beside
+``optimizer.bin`` (``accumopt_window_{i}_rank{r}.pt``), so ``load_state`` resumes mid-window
+exactly.
 """
 
 from __future__ import annotations
@@ -34,9 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from accelerate.optimizer import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    AcceleratedOptimizer,
-)
+from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from torch import nn
 
 from accumopt import Accumulate, checkpoint_position
@@ -74,9 +53,9 @@ class AcceleratedAccumulate(AcceleratedOptimizer):  # type: ignore[misc]
             raise RuntimeError(f"{why} Nothing was stepped; opt.discard() drops the window.")
         if self.accelerator_state.num_processes > 1 and not is_distributed(self.optimizer.model):
             raise RuntimeError(
-                f"{_WHERE} (optimizer.step()): several processes, but the Accumulate wrapper "
-                "was never told the DDP model (every micro-step would all-reduce); expected "
-                f"the model to go through {_WHERE}.prepare too. Nothing was stepped."
+                f"{_WHERE} (optimizer.step()): several processes, but the wrapper was never told "
+                f"the DDP model; expected the model to go through {_WHERE}.prepare too. Nothing "
+                "was stepped."
             )
         return super().step(closure)
 
@@ -97,12 +76,15 @@ class AcceleratedAccumulate(AcceleratedOptimizer):  # type: ignore[misc]
 def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None = None) -> Any:
     """``accelerator.prepare(*objects)`` with every :class:`~accumopt.Accumulate` (not its inner
     optimizer) wired in, in one call or several; each comes back inside an
-    :class:`AcceleratedAccumulate` (keep the wrapper for ``next_items`` and ``flush``).
+    :class:`AcceleratedAccumulate` (keep the wrapper for ``next_items`` and ``flush``) and
+    learns the prepared DDP model (one all-reduce per update, items summed over the ranks).
+    From then on ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` refuse (RuntimeError)
+    parameters of an open window.
 
     Raises:
         ValueError: ``gradient_accumulation_steps != 1``; DeepSpeed, FSDP, Megatron-LM or XLA;
-            a GradScaler not given as ``scaler=``; a wrapper prepared by plain
-            ``accelerator.prepare``; one over several prepared models.
+            an fp16 GradScaler not given as ``Accumulate(..., scaler=accelerator.scaler)``; a
+            wrapper prepared by plain ``accelerator.prepare``; one over several prepared models.
         RuntimeError: from ``Accumulate.set_model`` (a window is open).
     """
     wrappers = [o for o in objects if isinstance(o, Accumulate)]
@@ -126,7 +108,16 @@ def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None
     models.update(
         o for o in (result if len(objects) > 1 else (result,)) if isinstance(o, nn.Module)
     )
-    _wire(accelerator, models)
+    for opt in _wrappers(accelerator):  # each gets the prepared model holding its parameters
+        mine = {id(p) for g in opt.param_groups for p in g["params"]}
+        owners = [m for m in models if any(id(p) in mine for p in m.parameters())]
+        if len(owners) > 1:
+            raise ValueError(
+                f"{_WHERE} (prepare): an Accumulate holds parameters of {len(owners)} prepared "
+                "models; expected one. Wrap them in one nn.Module, or use one Accumulate each."
+            )
+        if owners and opt.model is not owners[0]:  # none (or plain prepare's): step() refuses
+            opt.set_model(owners[0])
     return result
 
 
@@ -137,39 +128,20 @@ def _check_setup(accelerator: Any, wrappers: list[Accumulate]) -> None:
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind in _UNSUPPORTED or getattr(accelerator, "is_fsdp2", False):
         raise ValueError(
-            f"{_WHERE} (prepare): the Accelerator uses {kind}, which owns the gradients and "
-            "their accumulation; expected no distribution or DDP. Use its own accumulation "
-            "(FSDP2 without Accelerate: Accumulate(opt, model=fully_shard(net)))."
+            f"{_WHERE} (prepare): the Accelerator uses {kind}, which owns the gradients; expected "
+            "no distribution or DDP. Use its own accumulation (or FSDP2 without Accelerate)."
         )
     if accelerator.scaler is not None and any(w.scaler is not accelerator.scaler for w in wrappers):
         raise ValueError(
-            f"{_WHERE} (prepare): the Accelerator steps its GradScaler (fp16) every "
-            "micro-step, so the wrapper must unscale each one with its own scale; expected "
-            "Accumulate(..., scaler=accelerator.scaler)."
+            f"{_WHERE} (prepare): the Accelerator steps its GradScaler every micro-step; "
+            "expected Accumulate(..., scaler=accelerator.scaler)."
         )
     for o in accelerator._optimizers:
         if isinstance(o.optimizer, Accumulate) and not isinstance(o, AcceleratedAccumulate):
             raise ValueError(
-                f"{_WHERE} (prepare): an Accumulate wrapper was prepared by accelerator.prepare "
-                "itself, whose optimizer knows nothing of the window (schedulers would step "
-                f"every micro-step); expected it to go through {_WHERE}.prepare."
+                f"{_WHERE} (prepare): an Accumulate was prepared by accelerator.prepare itself "
+                f"(schedulers would step every micro-step); expected {_WHERE}.prepare."
             )
-
-
-def _wire(accelerator: Any, models: Iterable[nn.Module]) -> None:
-    """Give each prepared ``Accumulate`` the prepared model that holds its parameters (none
-    yet, or one from plain ``accelerator.prepare``: its ``step()`` refuses under DDP)."""
-    for opt in _wrappers(accelerator):
-        mine = {id(p) for g in opt.param_groups for p in g["params"]}
-        owners = [m for m in models if any(id(p) in mine for p in m.parameters())]
-        if len(owners) > 1:
-            raise ValueError(
-                f"{_WHERE} (prepare): the Accumulate wrapper holds parameters of {len(owners)} "
-                "prepared models; expected one (it counts and syncs through one model). Wrap "
-                "them in one nn.Module, or use one Accumulate per model."
-            )
-        if owners and opt.model is not owners[0]:
-            opt.set_model(owners[0])
 
 
 def _wrappers(accelerator: Any) -> list[Accumulate]:
@@ -209,10 +181,9 @@ def _with_rank_window(state: dict[str, Any], saved: dict[str, Any] | None, path:
     if saved is None:
         if main is not None and main[1]:
             raise RuntimeError(
-                f"{_WHERE} (load_state): the checkpoint was saved in the middle of an "
-                f"accumulation window on several processes, but {path} (this rank's window) "
-                "is missing. Load the folder save_state wrote, on as many processes, or a "
-                "checkpoint saved at a window boundary."
+                f"{_WHERE} (load_state): saved in the middle of an accumulation window, but "
+                f"{path} (this rank's window) is missing. Load save_state's folder whole, on as "
+                "many processes, or a checkpoint saved at a boundary."
             )
         return state
     mine = checkpoint_position({"param_groups": [saved]})
@@ -236,10 +207,9 @@ def _guarded(accelerator: Any, clip: Callable[..., Any]) -> Callable[..., Any]:
             open_window = opt.micro_step and not opt.will_update
             if open_window and any(id(p) in ids for g in opt.param_groups for p in g["params"]):
                 raise RuntimeError(
-                    f"{_WHERE}: accelerator.{clip.__name__} on micro-step {opt.micro_step} of "
-                    "an open window, whose .grad holds a partial sum; expected clipping at the "
-                    "boundary: max_grad_norm=, or under `if opt.will_update:`. Nothing was "
-                    "clipped."
+                    f"{_WHERE}: accelerator.{clip.__name__} on micro-step {opt.micro_step} of a "
+                    "window (.grad holds a partial sum); expected max_grad_norm=, or `if "
+                    "opt.will_update:`. Nothing was clipped."
                 )
         return clip(params, *args, **kwargs)
 

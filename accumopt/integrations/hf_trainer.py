@@ -1,61 +1,56 @@
-"""The Hugging Face ``transformers.Trainer`` with accumopt (``examples/hf_trainer_charlm.py``)::
-
-    opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
-    trainer = AccumulateTrainer(model=model, args=args, train_dataset=ds,
-                                data_collator=collate, optimizers=(opt, None))
-    trainer.train()  # an update per 8 micro-batches: the mean over all their items
-
-The Trainer's batch is the micro-batch and its windows are the wrapper's, so ``global_step``,
-logging, saving and the LR schedule count updates; an epoch's short last window is applied. A
-plain ``Trainer`` cannot use an ``Accumulate``: it clears the gradients after each of its steps
-(refused at the next micro-step: a run of one micro-batch ends with no update) and divides each
-loss by its own ``gradient_accumulation_steps`` (which accumopt does not see).
-"""
+"""The Hugging Face ``transformers.Trainer`` with accumopt (``examples/hf_trainer_charlm.py``):
+``AccumulateTrainer(..., optimizers=(Accumulate(opt, every=8), None)).train()`` updates once per
+8 micro-batches (the Trainer's batches), with the mean over all their items; ``global_step``,
+logging, saving and the LR schedule count updates. A plain ``Trainer`` cannot drive an
+``Accumulate``: it clears the gradients after each step and divides each loss by its own
+``gradient_accumulation_steps``."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import io
 import itertools
 import logging
+import os
+import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from accumopt import Accumulate
+from accumopt import Accumulate, checkpoint_position
 from accumopt.distributed import is_distributed
-from accumopt.integrations import _hf_loss
-from accumopt.integrations import _hf_window_file as window_file
-
-
-class TransformersMissing(ImportError):
-    """Raised on import without transformers and accelerate."""
-
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    from transformers import Trainer
+    from transformers import Trainer, trainer_utils
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise TransformersMissing(
+    raise ImportError(
         'accumopt.integrations.hf_trainer needs: pip install "accumopt[transformers]".'
     ) from err
 
-__all__ = ["WINDOW_FILE", "AccumulateTrainer", "TransformersMissing", "check_trainer_hooks"]
-WINDOW_FILE = window_file.WINDOW_FILE
+__all__ = ["WINDOW_FILE", "AccumulateTrainer", "check_trainer_hooks"]
+WINDOW_FILE = "accumopt_window_rank{rank}.pt"
+"""A rank's window file: a checkpoint written mid-window holds each rank's ``opt.state_dict()``
+in one beside the Trainer's ``optimizer.pt`` (the main process's alone)."""
 _LOG = logging.getLogger("accumopt")
-_DROPPED = (
-    "AccumulateTrainer.train: dropped the open window of %d micro-step(s): a training that does "
-    "not resume starts afresh. To keep it, resume from the checkpoint it was saved in."
-)
 _HOOKS = (  # noqa: SIM905
     "training_step compute_loss get_batch_samples create_optimizer _prepare_for_training "
     "_clip_grad_norm _get_grad_norm _save_optimizer_and_scheduler _load_optimizer_and_scheduler "
     "_save_checkpoint create_accelerator_and_postprocess"
 ).split()
+_MEAN_OVER_LABELS = (  # noqa: SIM905
+    "ForCausalLM ForConditionalGeneration ForMaskedLM ForTokenClassification ForQuestionAnswering "
+    "ForSequenceClassification ForImageClassification ForVideoClassification ForAudioClassification"
+).split()
+_NOT_LABEL_MEANS = ("Musicgen", "MusicgenMelody", "MoshiForConditionalGeneration")  # any loss_type
+_OWN_LOSS = re.compile(r"\bloss\w*\s*=|cross_entropy|CrossEntropyLoss|nll_loss|NLLLoss")
 
 
 def check_trainer_hooks(trainer_cls: type) -> None:
@@ -73,22 +68,23 @@ check_trainer_hooks(Trainer)
 
 
 class AccumulateTrainer(Trainer):
-    """``transformers.Trainer`` stepping an :class:`~accumopt.Accumulate` once per window.
+    """``transformers.Trainer`` stepping an :class:`~accumopt.Accumulate` once per window (an
+    epoch's short last window applied too).
 
     Args: as ``Trainer``'s; ``optimizers=(opt, scheduler)``, ``opt`` an ``Accumulate(...,
-    every=k)`` or a torch optimizer or None (the Trainer's), then wrapped with ``every=
+    every=k)``, or a torch optimizer or None (the Trainer's) wrapped with ``every=
     args.gradient_accumulation_steps``. ``shift_labels``: whether the loss predicts
-    ``labels[..., 1:]`` (:meth:`count_items`); None: read from the model.
-
-    ``args`` becomes a copy with ``gradient_accumulation_steps = k``; the wrapper clips to
-    ``args.max_grad_norm`` unless it has its own norm. The logged ``grad_norm`` is the
-    window's pre-clip norm, in the parameters' dtype. A checkpoint written mid-window keeps
-    each rank's window (:data:`WINDOW_FILE`) and resumes bit for bit.
+    ``labels[..., 1:]`` (:meth:`count_items`); None: read from the model. ``args`` becomes a
+    copy with ``gradient_accumulation_steps = k``; the wrapper clips to ``args.max_grad_norm``
+    unless it has its own norm. The logged ``grad_norm`` is the window's pre-clip norm, in the
+    parameters' dtype. A mid-window checkpoint keeps each rank's window (:data:`WINDOW_FILE`)
+    and resumes bit for bit.
 
     Raises: TypeError (not an optimizer); ValueError (a window not ``every=<int>``, another
     ``gradient_accumulation_steps``, two clipping norms); RuntimeError at ``train()``
     (:meth:`check_supported`, ``gradient_accumulation_steps`` changed, an update from inside
-    the Trainer's window, a mid-window checkpoint without this rank's window file).
+    the Trainer's window, a mid-window checkpoint without this rank's window file or from
+    another save).
     """
 
     def __init__(self, *args: Any, shift_labels: bool | None = None, **kwargs: Any) -> None:
@@ -116,8 +112,10 @@ class AccumulateTrainer(Trainer):
         steps, opt = int(self.args.gradient_accumulation_steps), _find(given)
         if opt is None:  # TypeError if not an optimizer
             given = opt = Accumulate(given, every=steps)
-        if opt is not self._checked:
-            if _fixed_every(opt) is None:
+        if opt is not self._checked:  # the checkpoint entry holds an int only for a fixed every
+            group = opt.state_dict()["param_groups"][0]
+            packed = next(v for k, v in group.items() if str(k).startswith("accumopt"))
+            if not isinstance(torch.load(io.BytesIO(packed), weights_only=True)["every"], int):
                 raise ValueError(
                     f"AccumulateTrainer: {opt!r} has a window in items or a schedule; expected "
                     "every=<int>: the Trainer cuts each window's micro-batches in advance."
@@ -152,14 +150,28 @@ class AccumulateTrainer(Trainer):
         self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     def check_supported(self) -> None:
-        """Run by :meth:`train`: RuntimeError for what the wrapper cannot own or weight
-        (``_hf_loss.loss_refusal``), UserWarning for a per-micro-batch auxiliary loss."""
+        """Run by :meth:`train`: RuntimeError for what the wrapper cannot own or weight (a loss
+        that is no mean over the labels :meth:`count_items` counts), UserWarning for a loss of
+        each micro-batch as a whole (a MoE router's)."""
         model, own_loss = self.accelerator.unwrap_model(self.model), self._own_loss()
         own_count = type(self).count_items is not AccumulateTrainer.count_items
-        if (refusal := _hf_loss.loss_refusal(model, own_count, own_loss)) is not None:
+        if (refusal := _loss_refusal(model, own_count, own_loss)) is not None:
             raise RuntimeError(refusal)
-        if not own_loss and (aux := _hf_loss.aux_loss_warning(model)) is not None:
-            warnings.warn(aux, UserWarning, stacklevel=3)
+        config = getattr(model, "config", None)
+        router = bool(getattr(config, "output_router_logits", False))
+        names = ["router_aux_loss_coef", "router_z_loss_coef"] if router else []
+        values = {k: getattr(config, k, None) for k in [*names, "z_loss_coefficient"]}
+        aux = [f"{k}={v!r}" for k, v in values.items() if v]
+        if router and not hasattr(config, "router_aux_loss_coef"):
+            aux.append("output_router_logits=True")
+        if aux and not own_loss:
+            warnings.warn(
+                f"AccumulateTrainer: {type(model).__name__} adds an auxiliary loss of each "
+                f"micro-batch as a whole ({', '.join(aux)}), so no accumulation gives the "
+                "full-batch update. Set it to 0 for exact accumulation.",
+                UserWarning,
+                stacklevel=3,
+            )
         problems = {
             "DeepSpeed/FSDP": self.is_deepspeed_enabled or self.is_fsdp_enabled,
             "fp16 with a GradScaler (use bf16)": getattr(self.accelerator, "scaler", None),
@@ -181,7 +193,8 @@ class AccumulateTrainer(Trainer):
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
         opt = _find(self.optimizer)
         if not resume and opt is not None and (n := opt.micro_step):
-            _LOG.warning(_DROPPED, n)
+            msg = "AccumulateTrainer.train: dropped the open window of %d micro-step(s) (not "
+            _LOG.warning(msg + "resuming); to keep it, resume from its checkpoint.", n)
             opt.discard()
         try:
             return super().train(*args, **kwargs)
@@ -196,9 +209,7 @@ class AccumulateTrainer(Trainer):
         if self._hook is None:
             self._hook = self.accumulate.register_step_pre_hook(self._only_at_boundary)
         prepared = self.optimizer
-        if isinstance(prepared, AcceleratedOptimizer) and not isinstance(
-            prepared.optimizer, _Boundary
-        ):
+        if isinstance(prepared, AcceleratedOptimizer) and type(prepared.optimizer) is not _Boundary:
             prepared.optimizer = _Boundary(self)
         return model, loader
 
@@ -236,7 +247,7 @@ class AccumulateTrainer(Trainer):
         """The items the micro-batch's mean loss averages over (its weight): the labels other
         than -100 in ``shift_labels``, else in ``labels`` (``[..., 1:]`` where the loss shifts);
         else the rows. Override it for other losses. ValueError: no tensor; a label shift the
-        model does not tell (``_hf_loss.AMBIGUOUS_SHIFT``)."""
+        model does not tell (pass ``shift_labels``)."""
         labels = inputs.get("shift_labels")
         if labels is None and inputs.get("labels") is not None:
             labels = inputs["labels"][..., 1:] if self._shifts() else inputs["labels"]
@@ -251,10 +262,9 @@ class AccumulateTrainer(Trainer):
         if self.shift_labels is not None:
             return self.shift_labels
         model = self.accelerator.unwrap_model(self.model)
-        if self.label_smoother is not None and self.compute_loss_func is None:
-            return _hf_loss.smoother_shifts(model)
         guess = bool(getattr(self, "_loss_shifts_labels", False))
-        return _hf_loss.loss_shifts(model, guess, self._own_loss())
+        smoother = self.label_smoother is not None and self.compute_loss_func is None
+        return _loss_shifts(model, guess, self._own_loss(), smoother)
 
     def _own_loss(self) -> bool:  # the user's compute_loss_func, or compute_loss overridden
         own = self.compute_loss_func is not None
@@ -275,9 +285,12 @@ class AccumulateTrainer(Trainer):
         with self.compute_loss_context_manager():
             if n > 0:
                 loss_sum: Tensor = self.compute_loss(model, inputs) * n  # type: ignore[assignment]
-            else:  # a mean over no item is NaN: backpropagate an exact zero instead
+            else:  # a mean over no item is NaN: backpropagate an exact zero through the outputs
                 _, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss_sum = _hf_loss.zero_loss(outputs, _params(opt))
+                pairs = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs)
+                found = [v for k, v in pairs if k not in ("loss", 0) and isinstance(v, Tensor)]
+                found = [t for t in found if t.requires_grad] or _params(opt)  # DDP: a full pass
+                loss_sum = sum((t.nan_to_num().sum() * 0.0 for t in found), found[0].new_zeros(()))
         opt.next_items(n)
         self.accelerator.backward(loss_sum)
         shown: Tensor = loss_sum.detach() / max(self._window_items, float(n), 1.0)
@@ -293,9 +306,16 @@ class AccumulateTrainer(Trainer):
         return self._norm  # filled by _Boundary.step: the window's pre-clip norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        write = super()._save_optimizer_and_scheduler
-        rank = self.args.process_index
-        window_file.save(self.accumulate, output_dir, rank, lambda: write(output_dir))
+        """The Trainer's save, then this rank's window file if a window is open (its old file
+        removed first: a save that dies half-way leaves none stale)."""
+        opt = self.accumulate
+        path = os.path.join(output_dir, WINDOW_FILE.format(rank=self.args.process_index))
+        if os.path.isfile(path):
+            os.remove(path)
+        super()._save_optimizer_and_scheduler(output_dir)
+        if opt.micro_step > 0:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(opt.state_dict(), path)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
@@ -303,12 +323,11 @@ class AccumulateTrainer(Trainer):
             where = "cpu" if self.args.device.type == "cpu" else self.args.device
             load = functools.partial(super()._load_optimizer_and_scheduler, checkpoint)
             rank, opt = self.args.process_index, self.accumulate
-            self._reload = window_file.resume(opt, checkpoint, rank, where, load)
+            self._reload = _resume_window(opt, checkpoint, rank, where, load)
 
 
 class _Boundary:
-    """What ``AcceleratedOptimizer`` steps: the wrapper, or an epoch's short last window
-    flushed; anything else is the wrapper's."""
+    """What ``AcceleratedOptimizer`` steps: the wrapper, or its short last window flushed."""
 
     def __init__(self, trainer: AccumulateTrainer) -> None:
         self.trainer, self.optimizer = trainer, trainer.accumulate
@@ -344,9 +363,114 @@ def _params(opt: Accumulate) -> list[Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def _fixed_every(opt: Accumulate) -> int | None:
-    """The wrapper's ``every`` if fixed (its checkpoint entry holds it only then), or None."""
-    group = opt.state_dict()["param_groups"][0]
-    packed = next(v for k, v in group.items() if str(k).startswith("accumopt"))
-    every = torch.load(io.BytesIO(packed), weights_only=True)["every"]
-    return every if isinstance(every, int) else None
+def _loss_refusal(model: Any, own_count: bool, own_loss: bool) -> str | None:
+    """Why the loss of ``model`` (unwrapped) is no mean over what ``count_items`` counts; None
+    if it is, or the user counts the items (``own_count``) or computes the loss (``own_loss``)."""
+    if own_count or own_loss:
+        return None
+    loss_type = getattr(model, "loss_type", None)
+    if type(model).__name__.startswith(_NOT_LABEL_MEANS):
+        loss_type = f"{loss_type}, but its own loss code"
+    elif loss_type is None or loss_type in _MEAN_OVER_LABELS:
+        return None
+    return (
+        f"AccumulateTrainer: the model's loss ({type(model).__name__}, loss_type {loss_type!r}) "
+        "is no mean over its labels other than -100: weighting by them would be silently wrong "
+        f"(expected a loss type among {', '.join(sorted(_MEAN_OVER_LABELS))}). Override "
+        "count_items to return what the loss averages over, or pass a compute_loss_func."
+    )
+
+
+def _loss_shifts(model: Any, trainer_guess: bool, own_loss: bool, smoother: bool = False) -> bool:
+    """Whether the loss of ``model`` (unwrapped; a PEFT wrapper's inner model read) predicts
+    ``labels[..., 1:]``: the label smoother's rule (a causal-LM class name); never for an
+    encoder-decoder; for the user's loss, the Trainer's guess or a causal-LM name; for
+    ``self.loss_function``, its ``loss_type`` (None: causal LM). ValueError: loss code of the
+    model's own under a causal-LM name."""
+    if trainer_utils._is_peft_model(model):  # type: ignore[no-untyped-call]
+        model = model.base_model.model
+    if smoother:
+        return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if own_loss or "_loss_function" in vars(model):
+        return trainer_guess or causal
+    if _through_loss_function(model.__class__):
+        loss = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "", ForCausalLMLoss)
+        return loss is ForCausalLMLoss
+    if causal or trainer_guess:
+        raise ValueError(
+            f"AccumulateTrainer: {type(model).__name__}'s own loss code, under a causal-LM name: "
+            "cannot tell whether the loss predicts labels[..., 1:] (the micro-batch's weight). "
+            "Pass AccumulateTrainer(..., shift_labels=True/False)."
+        )
+    return False
+
+
+@functools.cache
+def _through_loss_function(cls: Any) -> bool:
+    """Whether ``cls.forward`` calls ``self.loss_function`` (maybe through ``super().forward``)."""
+    for klass in cls.__mro__:
+        forward = vars(klass).get("forward")
+        if forward is None:
+            continue
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            return False
+        if "self.loss_function" in source:
+            return True
+        if "super().forward(" not in source or _OWN_LOSS.search(source):
+            return False
+    return False
+
+
+def _resume_window(
+    opt: Accumulate, checkpoint: str, rank: int, device: Any, load_main: Callable[[], None]
+) -> Any:
+    """Run ``load_main`` (the Trainer's load of ``optimizer.pt``, its window left out), then
+    return this rank's window file if saved at the same ``checkpoint_position``, else None
+    (logged if stale or unmatched). RuntimeError on every rank: a rank's file is missing beside
+    a mid-window ``optimizer.pt`` or comes from another save."""
+    seen: list[tuple[int, int]] = []
+
+    def without_window(_: Any, state: Any) -> Any:  # optimizer.pt mid-window: its window dropped
+        if (position := checkpoint_position(state)) is not None:
+            seen.append(position)
+        if position is None or position[1] == 0:
+            return None
+        groups = state["param_groups"]
+        first = {k: v for k, v in groups[0].items() if not str(k).startswith("accumopt")}
+        return {**state, "param_groups": [first, *groups[1:]]}
+
+    hook = opt.register_load_state_dict_pre_hook(without_window)
+    try:
+        load_main()
+    finally:
+        hook.remove()
+    main, path = seen[0] if seen else None, os.path.join(checkpoint, WINDOW_FILE.format(rank=rank))
+    saved, problem, ignored = None, None, "AccumulateTrainer: ignored %s: %s; resuming without it."
+    if not os.path.isfile(path):
+        if main is not None and main[1] > 0:
+            problem = f"{checkpoint} was written mid-window but has no {path} (this rank's window)"
+    elif main is None:
+        _LOG.warning(ignored, path, "no optimizer.pt with accumopt's state beside it to match it")
+    else:
+        saved = torch.load(path, map_location=device, weights_only=True)
+        if (mine := checkpoint_position(saved)) != main:
+            saved = None
+            if main[1] == 0:
+                stale = "it is left over from an earlier save (its checkpoint is at an update)"
+                _LOG.warning(ignored, path, stale)
+            else:
+                problem = (
+                    f"{path} and optimizer.pt come from different saves (at (updates, "
+                    f"micro-steps) {mine} and {main})"
+                )
+    refused, _ = opt.sum_over_ranks(problem is not None, what="AccumulateTrainer's resume")
+    if problem is None and refused:
+        problem = f"another rank refused the window files of {checkpoint} (its error says why)"
+    if problem is not None:
+        raise RuntimeError(f"AccumulateTrainer: {problem}; resume from another checkpoint.")
+    return saved

@@ -1,29 +1,8 @@
-"""Lightning (``lightning.pytorch``) with accumopt: one callback, no change to the training loop.
-
-Return an :class:`~accumopt.Accumulate` from ``configure_optimizers``, add
-:class:`AccumulateCallback` to the ``Trainer`` and keep ``accumulate_grad_batches=1``; each
-``training_step`` is one micro-step::
-
-    class Net(L.LightningModule):
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss_sum = F.cross_entropy(self.net(x), y, reduction="sum")
-            return loss_over_items(self, loss_sum, len(y))  # exact weight of a ragged batch
-
-        def configure_optimizers(self):
-            return Accumulate(torch.optim.SGD(self.parameters(), lr=0.1), every=4)
-
-    L.Trainer(callbacks=[AccumulateCallback()], gradient_clip_val=1.0).fit(Net(), loader)
-
-Only the batch that closes a window is a Lightning optimizer step (``global_step``,
-schedulers, ``on_before_optimizer_step`` and ``gradient_clip_val`` see updates, on the
-window's mean gradient; also under ``"bf16-mixed"``); the epoch's short last window is applied
-at its last batch as one. DDP syncs once per update. ``self.optimizers()`` is the wrapper for
-every attribute but Lightning's own (its ``optimizer`` is the ``Accumulate``). Manual
-optimization: one ``opt.step()`` per ``training_step``; step schedulers when ``opt.did_update``.
-Limits: ``every_items`` needs manual optimization; ``"16-mixed"`` is refused;
-``on_after_backward`` runs every micro-step. After a fit the wrappers stop counting (returned
-again, they go on where they stood). Lightning internals used (2.6): the epoch loop's
+"""Lightning (``lightning.pytorch``) with accumopt: one callback, no change to the training loop
+(``examples/lightning_digits.py``). Return an :class:`~accumopt.Accumulate` from
+``configure_optimizers``, add :class:`AccumulateCallback` to the ``Trainer`` (keep
+``accumulate_grad_batches=1``) and return ``loss_over_items(self, loss_sum, len(y))`` from each
+``training_step``, one micro-step. Lightning internals used (2.6): the epoch loop's
 ``_should_accumulate`` and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
 per-optimizer class and step callbacks, the precision plugin's ``_after_closure``.
 """
@@ -59,17 +38,14 @@ def loss_over_items(
     if optimizer is None:
         optimizer = module.optimizers(use_pl_optimizer=False)
         if isinstance(optimizer, list):
-            raise ValueError(
-                f"loss_over_items: the module has {len(optimizer)} optimizers; expected one, "
-                "or optimizer=<the one the next backward pass feeds>."
-            )
+            n = len(optimizer)
+            raise ValueError(f"loss_over_items: {n} optimizers; pass optimizer=<the one it feeds>.")
     if not isinstance(optimizer, Accumulate):
         return loss_sum / items
     if not any(isinstance(c, AccumulateCallback) for c in module.trainer.callbacks):  # type: ignore[attr-defined]
         raise RuntimeError(
-            "loss_over_items: an Accumulate optimizer but the Trainer has no "
-            "AccumulateCallback, so Lightning would step, clip and count every micro-batch. "
-            "Expected Trainer(callbacks=[AccumulateCallback()])."
+            "loss_over_items: the Trainer has no AccumulateCallback, so Lightning would step an "
+            "Accumulate every micro-batch; expected Trainer(callbacks=[AccumulateCallback()])."
         )
     optimizer.next_items(items)
     return loss_sum
@@ -77,7 +53,12 @@ def loss_over_items(
 
 class AccumulateCallback(pl.Callback):
     """Make a ``Trainer`` step every :class:`~accumopt.Accumulate` of ``configure_optimizers``
-    once per window, exactly (see the module docstring).
+    once per window, exactly: only the batch that closes a window is a Lightning optimizer step
+    (``global_step``, schedulers, ``on_before_optimizer_step`` and ``gradient_clip_val`` see
+    updates, on the window's mean); the epoch's short last window is applied at its last batch
+    as one; DDP syncs once per update. ``self.optimizers()`` is the wrapper for every attribute
+    but Lightning's own; manual optimization: one ``opt.step()`` per ``training_step``. After a
+    fit the wrappers stop counting (returned again, they go on where they stood).
 
     Raises (from ``trainer.fit``, before any update): ValueError: no ``Accumulate``;
     ``accumulate_grad_batches != 1`` (also checked every batch); a strategy that accumulates
@@ -114,8 +95,8 @@ class AccumulateCallback(pl.Callback):
         loop = trainer.fit_loop.epoch_loop
         self._replace(loop, "_should_accumulate", partial(self._should_accumulate, pl_module))
         plugin = trainer.precision_plugin
-        if isinstance(plugin, MixedPrecision):  # bf16: it refuses to clip for any optimizer
-            # whose step() takes GradScaler's arguments (Accumulate's); its .grad is plain here
+        if isinstance(plugin, MixedPrecision):  # bf16: it refuses to clip for an optimizer whose
+            # step() takes GradScaler's arguments (Accumulate's), yet .grad is plain here
             self._replace(plugin, "clip_gradients", partial(Precision.clip_gradients, plugin))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -123,11 +104,10 @@ class AccumulateCallback(pl.Callback):
             acc.flush()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # the wrappers stop counting: another fit's passes are not theirs
         for obj, name in self._undo:
             obj.__dict__.pop(name, None)
         for acc in self._accs:
-            acc.release()
+            acc.release()  # stops counting: another fit's passes are not its own
         for handle in self._handles:
             handle.remove()
         self._undo, self._handles, self._trainer = [], [], None
@@ -140,9 +120,9 @@ class AccumulateCallback(pl.Callback):
         self._undo.append((obj, name))
 
     def _should_accumulate(self, pl_module: pl.LightningModule) -> bool:
-        """Lightning's "no optimizer step for this batch?". Automatic optimization asks before
-        the batch: yes unless its pass closes the window or it is the epoch's last (kept for
-        the batch). Manual optimization asks after it: whether a window is open."""
+        """Lightning's "no optimizer step for this batch?", asked before it in automatic
+        optimization (no if its pass closes the window or it is the epoch's last; kept for the
+        batch), after it in manual optimization (whether a window is open)."""
         assert self._trainer is not None
         _check_no_lightning_accumulation(self._trainer)
         if not pl_module.automatic_optimization:
@@ -202,8 +182,7 @@ class AccumulateCallback(pl.Callback):
 
 
 def _next_closes(acc: Accumulate) -> bool:
-    """Whether the next backward pass surely closes ``acc``'s window (``every`` only; a
-    schedule that has not answered is asked now)."""
+    """Whether the next backward pass surely closes ``acc``'s window (a schedule is asked)."""
     every = None if acc.will_update else acc.every
     return every is not None and acc.micro_step + 1 >= every
 
@@ -219,9 +198,9 @@ def _keep_out_of_grad(acc: Any) -> None:
 
 
 def _route_to_wrapper(lopt: LightningOptimizer, callback: AccumulateCallback) -> None:
-    """Make ``self.optimizers()`` the wrapper for every attribute but Lightning's own: its
-    per-optimizer class subclasses the wrapper's, so a wrapper method ran with the proxy as
-    ``self`` (and setters set the proxy). ``step`` and ``flush`` go to the callback."""
+    """Make ``self.optimizers()`` the wrapper for every attribute but Lightning's own (its
+    per-optimizer class subclasses the wrapper's: a wrapper method would run on the proxy);
+    ``step`` and ``flush`` go to the callback."""
     cls, get = type(lopt), object.__getattribute__
 
     def own(self: LightningOptimizer, name: str) -> bool:
@@ -255,34 +234,31 @@ def _check_no_lightning_accumulation(trainer: pl.Trainer) -> None:
 def _check_setup(trainer: pl.Trainer, module: pl.LightningModule, accs: list[Accumulate]) -> None:
     """Refuse what would make the updates silently wrong (see AccumulateCallback)."""
     if not accs:
+        got = [type(o).__name__ for o in trainer.optimizers]
         raise ValueError(
-            "AccumulateCallback: configure_optimizers returned no Accumulate optimizer "
-            f"(got {[type(o).__name__ for o in trainer.optimizers]}); expected e.g. "
-            "Accumulate(torch.optim.SGD(...), every=4). Return one, or remove the callback."
+            f"AccumulateCallback: no Accumulate optimizer (got {got}); return one from "
+            "configure_optimizers, e.g. Accumulate(torch.optim.SGD(...), every=4)."
         )
     _check_no_lightning_accumulation(trainer)
     if trainer.strategy.handles_gradient_accumulation:
         raise ValueError(
             f"AccumulateCallback: the {type(trainer.strategy).__name__} accumulates gradients "
-            "itself; expected a single device or DDP. Use its own accumulation instead."
+            "itself; expected a single device or DDP, or use its own accumulation."
         )
     plugin = trainer.precision_plugin
     if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
         raise ValueError(
-            "AccumulateCallback: precision='16-mixed' (a GradScaler): Lightning leaves the "
-            "unscaling to the wrapper's step, so hooks and clipping would see scaled gradients "
-            "and a flushed window would be applied scaled. Expected 'bf16-mixed' or '32-true'."
+            "AccumulateCallback: precision='16-mixed': hooks and clipping would see scaled "
+            "gradients (unscaled only in the step). Expected 'bf16-mixed' or '32-true'."
         )
     if module.automatic_optimization and accs[0].every is None:
         raise ValueError(
             f"AccumulateCallback: Accumulate(every_items={accs[0].every_items:g}) in automatic "
-            "optimization, where Lightning decides before a batch whether it steps; expected "
-            "every=N (items still weigh each micro-batch), or manual optimization."
+            "optimization (Lightning decides before a batch whether it steps); expected every=N."
         )
     for config in trainer.lr_scheduler_configs if module.automatic_optimization else []:
         if config.interval == "step" and config.frequency != 1:
             raise ValueError(
-                f"AccumulateCallback: an LR scheduler with interval='step' and frequency="
-                f"{config.frequency}: Lightning counts micro-batches for it, not updates. "
-                f"Expected frequency=1 (e.g. a LambdaLR of step // {config.frequency})."
+                f"AccumulateCallback: a step scheduler with frequency={config.frequency}: "
+                "Lightning counts micro-batches for it, not updates. Expected frequency=1."
             )
