@@ -1,19 +1,13 @@
-"""The accumulation window as one record, and its rules as functions over it.
+"""The accumulation window as one record, :class:`State`, and its rules as functions over it.
 
-:class:`State` holds everything the wrapper knows about its window: one :class:`Phase`, the
-counters, the open window's size and the AMP inf/NaN flag. Checkpoints, copies, resets and
-checks are derived from it (:func:`fields`). The rules:
-
-- A window is counted in micro-steps (``every=N``: it closes at the N-th) or in items
-  (``every_items=T``: at the first micro-step whose running item total reaches T, up to the
-  float rounding of that sum; a micro-batch that overshoots brings all its items in).
-- Its micro-steps are of one kind: all *weighted* (``opt.backward(loss_sum, items=n)``, or
-  ``opt.next_items(n)`` before the pass) or all unweighted. A window in items takes only
-  weighted ones.
-- The divisor: the window's item total for a weighted window (None, "skip the update", when
-  it is 0), the micro-steps over all ranks for an unweighted one, 1 for ``reduction="sum"``.
-- A window's size may come from a schedule ``f(updates, items_seen) -> size``, asked when the
-  window opens (and again before a micro-step joins it while it has not given a valid size).
+- A window closes at its N-th micro-step (``every=N``) or at the first micro-step whose running
+  item total reaches T (``every_items=T``, up to that sum's float rounding); a window's size
+  may come from a schedule ``f(updates, items_seen)``, asked when the window opens (and again
+  before a micro-step joins it while it has no valid size).
+- Its micro-steps are all *weighted* (``opt.backward(loss_sum, items=n)``, ``next_items(n)``)
+  or all unweighted; a window in items takes only weighted ones.
+- Its divisor: the item total if weighted (None, "skip the update", at 0), the micro-steps of
+  all ranks if not, 1 for ``reduction="sum"``.
 """
 
 from __future__ import annotations
@@ -61,26 +55,15 @@ class Phase(enum.Enum):
 
 @dataclasses.dataclass(slots=True)
 class State:
-    """The window's record (see the module docstring for the rules).
-
-    Attributes:
-        phase: see :class:`Phase`.
-        micro_step: micro-steps counted in the open window.
-        items: their items (float; 0.0 if unweighted; a 0-dim tensor while counts given as
-            tensors are summed without a host sync, in a window counted in micro-steps, until
-            its close). Under DDP/FSDP2: over all ranks for a window in items; this rank's own
-            for a window in micro-steps until its close.
-        weighted: the kind of the window's micro-steps; None while it is empty.
-        stepped: no counted micro-step waits for its ``step()``.
-        size: the open window's size (micro-steps or items); None while a schedule has given
-            no valid size.
-        updates: inner steps applied. items_seen: the items of those updates (over all ranks).
-        did_update: whether the last ``step()``/``flush()`` applied an update (False again
-            once the next micro-step is counted).
-        found_inf: AMP: a 0-dim tensor > 0 when a micro-step of the window had an inf/NaN (no
-            host sync), or None.
-        broken: what failed, while ``phase`` is BROKEN.
-    """
+    """The window's record. ``micro_step``: micro-steps counted in the open window; ``items``:
+    their items (0.0 if unweighted; a 0-dim tensor, summed without a host sync, while a window
+    in micro-steps gets tensor counts; over all ranks in a window in items, else this rank's
+    until the close); ``weighted``: their kind (None while empty); ``stepped``: no counted
+    micro-step waits for its ``step()``; ``size``: the open window's (None: no valid one from
+    its schedule yet); ``updates``, ``items_seen``: inner steps applied and their items (all
+    ranks); ``did_update``: the last ``step()``/``flush()`` applied one (False again at the
+    next micro-step); ``found_inf``: AMP's 0-dim inf/NaN flag, or None; ``broken``: what
+    failed, while BROKEN."""
 
     phase: Phase = Phase.OPEN
     micro_step: int = 0
@@ -94,9 +77,6 @@ class State:
     found_inf: Tensor | None = None
     broken: str = ""
 
-
-_WINDOW = ("micro_step", "items", "weighted", "found_inf")
-"""The fields an empty window resets (:func:`reset`)."""
 
 SAVED = ("micro_step", "items", "weighted", "stepped", "size", "updates", "items_seen")
 """The fields a checkpoint holds (with the phase, OPEN or CLOSED, and the AMP flag)."""
