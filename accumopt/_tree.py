@@ -5,8 +5,8 @@ A batch is a tensor or a nesting of containers; its rows ``n`` are dim 0 of its 
 these rules:
 
 - **Containers**: what ``torch.utils._pytree`` walks, plus ``Mapping`` subclasses (rebuilt as
-  ``type(obj)(dict_of_items)``) and dataclass instances (``dataclasses.replace`` of the
-  ``init=True`` fields); one that does not rebuild as its own class is a ``TypeError``.
+  ``type(obj)(dict_of_items)``) and dataclass instances (``type(obj)(**init_fields)``); one
+  that does not rebuild as its own class is a ``TypeError``.
 - **Tensor leaves** share ``n``. Dense ones (subclasses, quantized) are sliced as views; sparse
   COO, 2-D CSR, batched sparse compressed and nested ones are cut their own way. 2-D
   CSC/BSR/BSC, MKL-DNN and other layouts are a ``TypeError``, a 0-dim tensor a ``ValueError``.
@@ -25,7 +25,7 @@ import functools
 import itertools
 import operator
 import reprlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import torch
@@ -38,9 +38,6 @@ Batch: TypeAlias = Any
 """A tensor, or a nesting of containers with tensor leaves (the module's rules)."""
 
 T = TypeVar("T")
-
-
-# ---- markers -------------------------------------------------------------------------------------
 
 
 class _Wrapped(Generic[T]):
@@ -96,46 +93,32 @@ def short(value: object) -> str:
     return reprlib.repr(value)
 
 
-# ---- walking: containers pytree does not know ----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rebuild:
-    """How a Mapping subclass or dataclass instance is rebuilt from its (cut) items."""
-
-    cls: type
-    keys: tuple[Any, ...]
-    original: Any = dataclasses.field(compare=False, repr=False)
-
-    def __call__(self, values: Sequence[Any]) -> Any:
-        items = dict(zip(self.keys, values))
-        if isinstance(self.original, Mapping):
-            return self.cls(items)
-        return dataclasses.replace(self.original, **items)
-
-    def key(self, name: Any) -> pytree.KeyEntry:
-        return (pytree.MappingKey if isinstance(self.original, Mapping) else pytree.GetAttrKey)(
-            name
-        )
-
-
+@dataclasses.dataclass
 class _Node:
-    """A Mapping subclass or dataclass instance taken apart, for the length of one flatten."""
+    """A Mapping subclass or dataclass instance taken apart for one flatten: its items' values
+    and the context ``(type, keys, is_mapping)`` that :func:`_rebuild` makes it anew from."""
 
-    __slots__ = ("children", "rebuild")
+    children: list[Any]
+    context: tuple[type, tuple[Any, ...], bool]
 
-    def __init__(self, children: list[Any], rebuild: _Rebuild) -> None:
-        self.children, self.rebuild = children, rebuild
+
+def _rebuild(values: Iterable[Any], context: Any) -> Any:
+    cls, keys, mapping = context
+    items = dict(zip(keys, values))
+    return cls(items) if mapping else cls(**items)
+
+
+def _keyed(node: _Node) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
+    _, keys, mapping = node.context
+    key = pytree.MappingKey if mapping else pytree.GetAttrKey
+    return [(key(k), child) for k, child in zip(keys, node.children)], node.context
 
 
 pytree.register_pytree_node(
     _Node,
-    lambda node: (node.children, node.rebuild),
-    lambda values, rebuild: rebuild(list(values)),
-    flatten_with_keys_fn=lambda node: (
-        [(node.rebuild.key(k), c) for k, c in zip(node.rebuild.keys, node.children)],
-        node.rebuild,
-    ),
+    lambda node: (node.children, node.context),
+    _rebuild,
+    flatten_with_keys_fn=_keyed,
     serialized_type_name="accumopt._tree._Node",
 )
 
@@ -169,14 +152,9 @@ def _holds_tensor(tree: Any) -> bool:
             stack.extend(x)
         elif _is_foreign(x):
             stack.extend(_items(x).values())
-        elif not pytree.tree_is_leaf(x):
-            stack.extend(_children(x))
+        elif not pytree.tree_is_leaf(x):  # its direct children (the lambda is called at once)
+            stack.extend(pytree.tree_leaves(x, is_leaf=lambda y: y is not x))  # noqa: B023
     return False
-
-
-def _children(node: Any) -> list[Any]:
-    """The direct children of a pytree node."""
-    return pytree.tree_leaves(node, is_leaf=lambda x: x is not node)
 
 
 def _prepare(tree: Any, prefix: pytree.KeyPath, api: str, root: str) -> Any:
@@ -206,23 +184,23 @@ def _prepare(tree: Any, prefix: pytree.KeyPath, api: str, root: str) -> Any:
 
 
 def _take_apart(obj: Any, path: pytree.KeyPath, api: str, root: str) -> _Node:
-    items = _items(obj)
-    rebuild = _Rebuild(type(obj), tuple(items), obj)
+    items, mapping = _items(obj), isinstance(obj, Mapping)
+    context = (type(obj), tuple(items), mapping)
     try:
-        same = type(rebuild(list(items.values()))) is type(obj)
+        same = type(_rebuild(list(items.values()), context)) is type(obj)
         problem = "rebuilds as another type"
     except Exception as err:  # any failure of the user's constructor
         same, problem = False, f"cannot be rebuilt from its items ({type(err).__name__}: {err})"
     if not same:
-        how = "type(obj)(dict_of_items)" if isinstance(obj, Mapping) else "dataclasses.replace"
+        how = "type(obj)(dict_of_items)" if mapping else "type(obj)(**init_fields)"
         where, kind = root + pytree.keystr(path), type(obj).__qualname__
         raise TypeError(
             f"{api}: {where}={short(obj)} is a {kind} that {problem}; "
             f"expected a container that {how} rebuilds with its cut items. Convert it to a "
             "dict, or wrap it in accumopt.split.Broadcast(...) to pass it whole."
         )
-    children = [_prepare(v, (*path, rebuild.key(k)), api, root) for k, v in items.items()]
-    return _Node(children, rebuild)
+    key = pytree.MappingKey if mapping else pytree.GetAttrKey
+    return _Node([_prepare(v, (*path, key(k)), api, root) for k, v in items.items()], context)
 
 
 def flatten(tree: Any, api: str, root: str = "batch") -> tuple[list[tuple[str, Any]], Any]:
@@ -235,12 +213,6 @@ def flatten(tree: Any, api: str, root: str = "batch") -> tuple[list[tuple[str, A
     return [(root + pytree.keystr(path), leaf) for path, leaf in flat], spec
 
 
-# ---- the usual batch, without pytree -------------------------------------------------------------
-
-Rebuild = Callable[[Any], Any]
-"""Rebuilds a batch from its leaves' values, in flattening order (a list or tuple)."""
-
-
 def _strided(t: Tensor) -> bool:
     return t.layout == torch.strided and not (t.is_nested or t.is_quantized)
 
@@ -250,12 +222,12 @@ def dense(t: Tensor) -> bool:
     return type(t) is Tensor and _strided(t)
 
 
-def plain(batch: Any) -> tuple[int, list[tuple[str, Tensor]], Rebuild] | None:
-    """``(rows, [(path, leaf), ...], rebuild)`` of a plain dense tensor, or of a ``tuple``,
-    ``list`` or ``dict`` (exactly) of plain dense tensors that agree on a non-zero dim 0, with
-    :func:`flatten`'s paths; None for any other batch (flattened in full by the caller)."""
+def plain(batch: Any) -> tuple[list[tuple[str, Tensor]], Callable[[Any], Any]] | None:
+    """``([(path, leaf), ...], rebuild)`` without pytree for a dense tensor, or a ``tuple``,
+    ``list`` or ``dict`` (exactly) of dense tensors with a dim 0, with :func:`flatten`'s paths;
+    ``rebuild(values)`` makes the batch anew. None for any other batch."""
     kind = type(batch)
-    build: Rebuild
+    build: Callable[[Any], Any]
     if kind is Tensor:
         leaves, build = [("batch", batch)], operator.itemgetter(0)
     elif kind is tuple or kind is list:
@@ -268,31 +240,30 @@ def plain(batch: Any) -> tuple[int, list[tuple[str, Tensor]], Rebuild] | None:
 
     else:
         return None
-    if not leaves or not all(dense(t) and t.dim() > 0 for _, t in leaves):
-        return None
-    rows = leaves[0][1].size(0)
-    if rows == 0 or any(t.size(0) != rows for _, t in leaves):
-        return None
-    return rows, leaves, build
+    if leaves and all(dense(t) and t.dim() > 0 for _, t in leaves):
+        return leaves, build
+    return None
 
-
-# ---- tensor kinds along dim 0 --------------------------------------------------------------------
 
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _DENSE_HINT = "Convert it with .to_dense(), or wrap it in accumopt.split.Broadcast(...)."
 
 
-def describe(t: Tensor) -> str:
-    """``'tensor'`` for a plain dense tensor, else a short description of what it is."""
+def _kind(t: Tensor) -> tuple[str, str]:
+    """What ``t`` is (``'tensor'`` for a plain dense tensor), and how to make it one."""
     if t.is_nested:
-        return f"nested tensor ({'jagged' if t.layout == torch.jagged else 'strided'} layout)"
+        layout = "jagged" if t.layout == torch.jagged else "strided"
+        remedy = "Convert it with .to_padded_tensor(0.0), or pass PerSample(list(t.unbind()))."
+        return f"nested tensor ({layout} layout)", remedy
     if t.layout != torch.strided:
-        return f"{str(t.layout).removeprefix('torch.')} tensor"
+        return f"{str(t.layout).removeprefix('torch.')} tensor", _DENSE_HINT
     if t.is_quantized:
-        return f"quantized tensor ({str(t.qscheme()).removeprefix('torch.')})"
+        scheme = str(t.qscheme()).removeprefix("torch.")
+        return f"quantized tensor ({scheme})", "Dequantize it with .dequantize() first."
     if type(t) is not Tensor:
-        return f"tensor subclass {type(t).__qualname__}"
-    return "tensor"
+        remedy = "Pass it as t.as_subclass(torch.Tensor), or wrap it in accumopt.split.Broadcast."
+        return f"tensor subclass {type(t).__qualname__}", remedy
+    return "tensor", _DENSE_HINT
 
 
 def check(path: str, t: Tensor, api: str) -> None:
@@ -314,7 +285,7 @@ def check(path: str, t: Tensor, api: str) -> None:
     else:
         refusal = _DENSE_HINT
     raise TypeError(
-        f"{api}: {path} is a {describe(t)}, whose rows (dim 0) accumopt cannot cut; expected "
+        f"{api}: {path} is a {_kind(t)[0]}, whose rows (dim 0) accumopt cannot cut; expected "
         "a dense, sparse COO, sparse CSR, batched sparse compressed, nested or quantized "
         f"tensor. {refusal}"
     )
@@ -326,31 +297,28 @@ def guard(api: str, path: str, t: Tensor, doing: str, op: Callable[[], Tensor]) 
     try:
         return op()
     except Exception as err:
-        kind = describe(t)
+        kind, remedy = _kind(t)
         if kind == "tensor" or is_oom(err):
             raise
         text = (str(err).strip().splitlines() or [""])[0]
         raise TypeError(
             f"{api}: {path} is a {kind} that torch could not {doing} ({type(err).__name__}: "
-            f"{text}); expected a tensor kind that supports it. {_remedy(t)}"
+            f"{text}); expected a tensor kind that supports it. {remedy}"
         ) from err
-
-
-def _remedy(t: Tensor) -> str:
-    if t.is_quantized:
-        return "Dequantize it with .dequantize() first."
-    if t.is_nested:
-        return "Convert it with .to_padded_tensor(0.0), or pass PerSample(list(t.unbind()))."
-    if type(t) is not Tensor and t.layout == torch.strided:
-        return "Pass it as t.as_subclass(torch.Tensor), or wrap it in accumopt.split.Broadcast."
-    return _DENSE_HINT
 
 
 def cut(t: Tensor, start: int, stop: int) -> Tensor:
     """Rows ``start:stop`` (dim 0) of a tensor of any kind that :func:`check` accepts."""
     if t.is_nested:
         if t.layout == torch.jagged:
-            return _cut_jagged(t, start, stop)
+            values, offsets, lengths, dim = _jagged(t)
+            low, high = int(offsets[start]), int(offsets[stop])
+            return torch.nested.nested_tensor_from_jagged(
+                values.narrow(dim, low, high - low),
+                offsets[start : stop + 1] - low,
+                lengths=None if lengths is None else lengths[start:stop],
+                jagged_dim=dim + 1,
+            )
         if start == stop:  # torch's narrow fails or keeps one component here
             return torch.nested.nested_tensor([], dtype=t.dtype, device=t.device)
         return t.narrow(0, start, stop - start).contiguous()  # .to() needs it contiguous
@@ -361,96 +329,67 @@ def cut(t: Tensor, start: int, stop: int) -> Tensor:
         return torch.quantize_per_channel(t.dequantize()[:0], scales, zero_points, 0, t.dtype)
     if t.layout == torch.sparse_coo:
         return t.narrow_copy(0, start, stop - start)
-    if t.layout in _COMPRESSED:
-        return _cut_compressed(t, start, stop)
-    return t[start:stop]
+    if t.layout not in _COMPRESSED:
+        return t[start:stop]
+    compressed, other, values = *_compressed_indices(t), t.values()
+    if compressed.dim() > 1:  # a batch dimension: dim 0 of every component
+        parts = compressed[start:stop], other[start:stop], values[start:stop]
+    else:  # 2-D CSR: rows start:stop hold entries low:high
+        low, high = int(compressed[start]), int(compressed[stop])
+        parts = compressed[start : stop + 1] - low, other[low:high], values[low:high]
+    size = (stop - start, *t.shape[1:])
+    return torch.sparse_compressed_tensor(*parts, size=size, layout=t.layout)
 
 
 def join(parts: Sequence[Tensor]) -> Tensor:
     """Concatenate same-kind tensors along dim 0; the inverse of :func:`cut`."""
     first = parts[0]
     if first.is_nested and first.layout == torch.jagged:
-        return _join_jagged(parts)
+        flat, offsets, lengths, dims = zip(*map(_jagged, parts))
+        extents = [v.size(dims[0]) for v in flat]
+        shifts = itertools.accumulate(extents[:-1], initial=0)
+        starts = [o[:-1] + shift for o, shift in zip(offsets, shifts)]
+        if all(n is None for n in lengths):
+            holes = None
+        else:  # a component's length is where the next starts unless it has a hole
+            holes = torch.cat([o.diff() if n is None else n for o, n in zip(offsets, lengths)])
+        return torch.nested.nested_tensor_from_jagged(
+            torch.cat(flat, dims[0]),
+            torch.cat([*starts, offsets[0].new_tensor([sum(extents)])]),
+            lengths=holes,
+            jagged_dim=dims[0] + 1,
+        )
     if first.layout in _COMPRESSED:
-        return _join_compressed(parts)
+        indices = [_compressed_indices(p) for p in parts]
+        values = torch.cat([p.values() for p in parts])
+        if indices[0][0].dim() > 1:
+            compressed = torch.cat([c for c, _ in indices])
+        else:
+            shifts = itertools.accumulate((int(c[-1]) for c, _ in indices), initial=0)
+            starts = [c[:-1] + shift for (c, _), shift in zip(indices, shifts)]
+            compressed = torch.cat([*starts, indices[0][0].new_tensor([values.size(0)])])
+        size = (sum(p.size(0) for p in parts), *first.shape[1:])
+        other = torch.cat([p for _, p in indices])
+        return torch.sparse_compressed_tensor(
+            compressed, other, values, size=size, layout=first.layout
+        )
     if first.is_nested:  # an empty nested tensor has no trailing dimensions: leave it out
         return torch.cat([p.contiguous() for p in parts if p.size(0) > 0] or [first])
     return torch.cat(list(parts))
 
 
-class _Jagged:
-    """A jagged nested tensor's parts: ``values`` holds the components one after the other
-    along ``dim``; component ``k`` starts at ``offsets[k]`` and, with holes, is ``lengths[k]``
-    long (else it ends where the next starts)."""
-
-    def __init__(self, t: Tensor) -> None:
-        nt: Any = t  # NestedTensor's accessors are not in the Tensor stubs
-        self.values: Tensor = nt.values()
-        self.offsets: Tensor = nt.offsets()
-        self.lengths: Tensor | None = nt.lengths()
-        self.dim = int(nt._ragged_idx) - 1
-
-
-def _cut_jagged(t: Tensor, start: int, stop: int) -> Tensor:
-    j = _Jagged(t)
-    low, high = int(j.offsets[start]), int(j.offsets[stop])
-    return torch.nested.nested_tensor_from_jagged(
-        j.values.narrow(j.dim, low, high - low),
-        j.offsets[start : stop + 1] - low,
-        lengths=None if j.lengths is None else j.lengths[start:stop],
-        jagged_dim=j.dim + 1,
-    )
-
-
-def _join_jagged(parts: Sequence[Tensor]) -> Tensor:
-    js = [_Jagged(p) for p in parts]
-    dim = js[0].dim
-    extents = [j.values.size(dim) for j in js]
-    shifts = itertools.accumulate(extents[:-1], initial=0)
-    offsets = [j.offsets[:-1] + shift for j, shift in zip(js, shifts)]
-    offsets.append(js[0].offsets.new_tensor([sum(extents)]))
-    holes = any(j.lengths is not None for j in js)
-    lengths = [j.offsets.diff() if j.lengths is None else j.lengths for j in js] if holes else None
-    return torch.nested.nested_tensor_from_jagged(
-        torch.cat([j.values for j in js], dim),
-        torch.cat(offsets),
-        lengths=None if lengths is None else torch.cat(lengths),
-        jagged_dim=dim + 1,
-    )
+def _jagged(t: Tensor) -> tuple[Tensor, Tensor, Tensor | None, int]:
+    """A jagged nested tensor's ``(values, offsets, lengths, dim)``: ``values`` holds the
+    components one after the other along ``dim``; component ``k`` starts at ``offsets[k]``
+    and, with holes, is ``lengths[k]`` long (else it ends where the next starts)."""
+    nt: Any = t  # NestedTensor's accessors are not in the Tensor stubs
+    return nt.values(), nt.offsets(), nt.lengths(), int(nt._ragged_idx) - 1
 
 
 def _compressed_indices(t: Tensor) -> tuple[Tensor, Tensor]:
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
         return t.crow_indices(), t.col_indices()
     return t.ccol_indices(), t.row_indices()
-
-
-def _cut_compressed(t: Tensor, start: int, stop: int) -> Tensor:
-    compressed, plain = _compressed_indices(t)
-    values = t.values()
-    if compressed.dim() > 1:  # a batch dimension: dim 0 of every component
-        parts = compressed[start:stop], plain[start:stop], values[start:stop]
-    else:  # 2-D CSR: rows start:stop hold entries low:high
-        low, high = int(compressed[start]), int(compressed[stop])
-        parts = compressed[start : stop + 1] - low, plain[low:high], values[low:high]
-    size = (stop - start, *t.shape[1:])
-    return torch.sparse_compressed_tensor(*parts, size=size, layout=t.layout)
-
-
-def _join_compressed(parts: Sequence[Tensor]) -> Tensor:
-    indices = [_compressed_indices(p) for p in parts]
-    plain = torch.cat([p for _, p in indices])
-    values = torch.cat([p.values() for p in parts])
-    if indices[0][0].dim() > 1:
-        compressed = torch.cat([c for c, _ in indices])
-    else:
-        shifts = itertools.accumulate((int(c[-1]) for c, _ in indices), initial=0)
-        starts = [c[:-1] + shift for (c, _), shift in zip(indices, shifts)]
-        compressed = torch.cat([*starts, indices[0][0].new_tensor([values.size(0)])])
-    size = (sum(p.size(0) for p in parts), *parts[0].shape[1:])
-    return torch.sparse_compressed_tensor(
-        compressed, plain, values, size=size, layout=parts[0].layout
-    )
 
 
 def row_shape(t: Tensor) -> tuple[Any, ...]:
@@ -473,16 +412,6 @@ def move(tensor: Tensor, device: torch.device) -> Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-# ---- rows ----------------------------------------------------------------------------------------
-
-
-def _rows_text(leaf: Tensor | PerSample[Any]) -> str:
-    if isinstance(leaf, PerSample):
-        return f"{len(leaf.value)} rows (a PerSample of {len(leaf.value)} items)"
-    shape = f"shape {tuple(leaf.shape)}" if not leaf.is_nested else describe(leaf)
-    return f"{leaf.size(0)} rows along dim 0 ({shape})"
-
-
 def _count_rows(leaves: list[tuple[str, Any]], api: str) -> int:
     """The rows ``n`` shared by the tensor leaves and PerSample values (see batch_size)."""
     counted = [(p, leaf) for p, leaf in leaves if isinstance(leaf, (Tensor, PerSample))]
@@ -503,10 +432,15 @@ def _count_rows(leaves: list[tuple[str, Any]], api: str) -> int:
         if n < 0:
             first_path, n = path, m
         elif m != n:
+            if isinstance(leaf, PerSample):
+                has = f"{m} rows (a PerSample of {m} items)"
+            else:
+                shape = _kind(leaf)[0] if leaf.is_nested else f"shape {tuple(leaf.shape)}"
+                has = f"{m} rows along dim 0 ({shape})"
             raise ValueError(
-                f"{api}: {path} has {_rows_text(leaf)} but {first_path} has {n}; expected "
-                "every tensor leaf to share the batch length. Pass per-batch constants as "
-                "non-tensor leaves, or wrap them in accumopt.split.Broadcast."
+                f"{api}: {path} has {has} but {first_path} has {n}; expected every tensor leaf "
+                "to share the batch length. Pass per-batch constants as non-tensor leaves, or "
+                "wrap them in accumopt.split.Broadcast."
             )
     if n == 0:
         raise ValueError(
@@ -527,9 +461,6 @@ def batch_size(batch: Batch, api: str) -> int:
     return _count_rows(flatten(batch, api)[0], api)
 
 
-_How: TypeAlias = Literal["slice", "tensor", "rows", "whole"]
-
-
 class RowSlicer:
     """Rows of one batch, moved to a device, many times: the batch is flattened once.
 
@@ -544,71 +475,52 @@ class RowSlicer:
     ) -> None:
         self.device, self.api = device, api
         fast = plain(batch)
-        if fast is not None:  # the usual batch: no pytree round trip, every leaf sliced
-            self.rows, leaves, self._build = fast
-            self.leaves: list[tuple[str, Any, _How]] = [(p, t, "slice") for p, t in leaves]
-            return
-        leaves, spec = flatten(batch, api)
+        if fast is None:
+            leaves, spec = flatten(batch, api)
+            fast = leaves, functools.partial(pytree.tree_unflatten, treespec=spec)
+        leaves, self._build = fast
         self.rows = _count_rows(leaves, api)
-        self._build = functools.partial(pytree.tree_unflatten, treespec=spec)
-        self.leaves = [(path, *self._plan(leaf)) for path, leaf in leaves]
-
-    def _plan(self, leaf: Any) -> tuple[Any, _How]:
-        if isinstance(leaf, Tensor):
-            return leaf, "slice" if dense(leaf) else "tensor"
-        if isinstance(leaf, PerSample) or (
-            isinstance(leaf, Items) and len(leaf.value) == self.rows
-        ):
-            return leaf.value, "rows"
-        return (leaf.value if isinstance(leaf, _Wrapped) else leaf), "whole"
+        self.leaves: list[tuple[str, Any, Literal["slice", "tensor", "rows", "whole"]]] = []
+        for path, leaf in leaves:  # how each leaf's rows are cut
+            if isinstance(leaf, Tensor):
+                self.leaves.append((path, leaf, "slice" if dense(leaf) else "tensor"))
+            elif isinstance(leaf, PerSample) or (
+                isinstance(leaf, Items) and len(leaf.value) == self.rows
+            ):
+                self.leaves.append((path, leaf.value, "rows"))
+            else:
+                whole = leaf.value if isinstance(leaf, _Wrapped) else leaf
+                self.leaves.append((path, whole, "whole"))
 
     def __call__(self, start: int, stop: int) -> Batch:
         return self.cut(start, stop, self.device)
 
-    def cut(
-        self, start: int, stop: int, device: torch.device | None, columns: Any = None, k: int = 0
-    ) -> Batch:
-        """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved); a dense
-        leaf ``i``'s rows are ``columns[i][k]`` where given (:meth:`split`)."""
-        values = []
-        for i, (path, leaf, how) in enumerate(self.leaves):
-            if how == "slice":
-                part = leaf[start:stop] if columns is None else columns[i][k]
-                values.append(part if device is None else move(part, device))
-            else:  # a helper: a generator here would make the loop's names slower cells
-                values.append(self._leaf(path, leaf, how, start, stop, device))
+    def cut(self, start: int, stop: int, device: torch.device | None) -> Batch:
+        """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved)."""
+        values: list[Any] = []
+        for path, leaf, how in self.leaves:
+            part: Any
+            if how == "whole":
+                values.append(leaf)
+                continue
+            if how == "tensor":
+                op = functools.partial(cut, leaf, start, stop)
+                part = guard(self.api, path, leaf, f"cut at rows {start}:{stop}", op)
+            else:
+                part = leaf[start:stop]
+            if device is not None and type(part) in (list, tuple):
+                part = type(part)(self._move(path, x, device) for x in part)
+            elif device is not None:
+                part = self._move(path, part, device)
+            values.append(part)
         return self._build(values)
 
-    def _leaf(
-        self, path: str, leaf: Any, how: _How, start: int, stop: int, device: torch.device | None
-    ) -> Any:
-        if how == "whole":
-            return leaf
-        if how == "rows":
-            part = leaf[start:stop]
-            if device is None or type(part) not in (list, tuple):
-                return part
-            return type(part)(self._move(path, x, device) for x in part)
-        op = functools.partial(cut, leaf, start, stop)
-        part = guard(self.api, path, leaf, f"cut at rows {start}:{stop}", op)
-        return part if device is None else self._move(path, part, device)
-
     def split(self, size: int) -> Iterator[tuple[Batch, int]]:
-        """``(piece, rows)`` for rows ``0:size``, ``size:2*size``, ... (the last may be shorter),
-        moved to the slicer's ``device``; every dense leaf is cut by one ``tensor_split``."""
-        starts = range(0, self.rows, size)
-        stops = [*starts[1:], self.rows]
-        columns = [
-            t.tensor_split(stops[:-1]) if how == "slice" else None for _, t, how in self.leaves
-        ]
-        if self.device is None and None not in columns:  # all dense, nothing to move
-            pieces: Iterator[Batch] = map(self._build, zip(*columns))
-        else:
-            pieces = (
-                self.cut(start, stop, self.device, columns, k)
-                for k, (start, stop) in enumerate(zip(starts, stops))
-            )
-        return zip(pieces, (stop - start for start, stop in zip(starts, stops)))
+        """``(piece, rows)`` for rows ``0:size``, ``size:2*size``, ... (the last may be
+        shorter), moved to the slicer's ``device``."""
+        for start in range(0, self.rows, size):
+            stop = min(start + size, self.rows)
+            yield self(start, stop), stop - start
 
     def shape_key(self) -> tuple[tuple[str, tuple[Any, ...], str], ...]:
         """Each tensor leaf's path, :func:`row_shape` and dtype: what the micro-batch size
@@ -623,9 +535,6 @@ class RowSlicer:
         if not isinstance(x, Tensor):
             return x
         return guard(self.api, path, x, f"move to {device}", functools.partial(move, x, device))
-
-
-# ---- joining pieces back -------------------------------------------------------------------------
 
 
 def concat(
@@ -645,39 +554,30 @@ def concat(
             ``PerSample`` value that is not a list or tuple.
     """
     flats = [flatten(piece, api, root="outputs") for piece in pieces]
-    spec = flats[0][1]
+    spec, order = flats[0][1], [path for path, _ in flats[0][0]]
     for k, (leaves, other) in enumerate(flats[1:], 1):
-        if other != spec:  # the same leaves in another order (dict keys) are joined by path
-            flats[k] = (_aligned(leaves, flats[0][0], k, api), spec)
+        if other == spec:
+            continue
+        by_path = dict(leaves)  # the same leaves in another order (dict keys) are joined by path
+        if len(by_path) != len(leaves) or sorted(by_path) != sorted(order):
+            missing = sorted(set(order) - set(by_path))[:3]
+            extra = sorted(set(by_path) - set(order))[:3]
+            raise ValueError(
+                f"{api}: outputs[{k}] is nested differently from outputs[0] (missing {missing}, "
+                f"extra {extra}: other keys, or lists holding tensors of other lengths); "
+                "expected pieces of one structure. Return the same structure from every "
+                "micro-batch, and wrap lists of per-sample tensors in accumopt.split.PerSample."
+            )
+        flats[k] = ([(path, by_path[path]) for path in order], spec)
     if sizes is not None and len(sizes) != len(pieces):
         raise ValueError(
             f"{api}: sizes={list(sizes)!r} has {len(sizes)} entries for {len(pieces)} pieces; "
             "expected one row count per piece."
         )
-    rows: list[int | None] = (
-        list(sizes) if sizes is not None else [_agreed_rows(leaves) for leaves, _ in flats]
-    )
+    rows = list(sizes) if sizes is not None else [_agreed_rows(leaves) for leaves, _ in flats]
     columns = zip(*(leaves for leaves, _ in flats))
     merged = [_join_column([leaf for _, leaf in col], col[0][0], rows, api) for col in columns]
     return pytree.tree_unflatten(merged, spec)
-
-
-def _aligned(
-    leaves: list[tuple[str, Any]], reference: list[tuple[str, Any]], k: int, api: str
-) -> list[tuple[str, Any]]:
-    """``leaves`` in the order of ``reference``'s paths, or ValueError if the paths differ."""
-    by_path = dict(leaves)
-    order = [path for path, _ in reference]
-    if len(by_path) != len(leaves) or sorted(by_path) != sorted(order):
-        missing = sorted(set(order) - set(by_path))[:3]
-        extra = sorted(set(by_path) - set(order))[:3]
-        raise ValueError(
-            f"{api}: outputs[{k}] is nested differently from outputs[0] (missing {missing}, "
-            f"extra {extra}: other keys, or lists holding tensors of other lengths); expected "
-            "pieces of one structure. Return the same structure from every micro-batch, and "
-            "wrap lists of per-sample tensors in accumopt.split.PerSample."
-        )
-    return [(path, by_path[path]) for path in order]
 
 
 def _agreed_rows(leaves: list[tuple[str, Any]]) -> int | None:
@@ -686,7 +586,7 @@ def _agreed_rows(leaves: list[tuple[str, Any]]) -> int | None:
     return rows.pop() if len(rows) == 1 else None
 
 
-def _join_column(column: list[Any], path: str, rows: list[int | None], api: str) -> Any:
+def _join_column(column: list[Any], path: str, rows: Sequence[int | None], api: str) -> Any:
     first = column[0]
     if isinstance(first, Tensor) and first.dim() > 0:
         for t in column:

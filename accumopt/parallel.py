@@ -152,19 +152,13 @@ def _combine(
                 "Reduce the loss over the piece."
             )
         terms.append(loss.to(primary).reshape(()) * (1 if isinstance(out, tuple) else piece.size))
-        items = items + _count(count, where, terms[-1])
+        if not isinstance(count, Tensor):  # a finite number >= 0, else ValueError
+            name, covers = "parallel_backward: items", "the piece's summed loss"
+            items = items + _checks.check_count(count, name, covers, f" for {where}")
+            continue
+        try:  # a one-element real tensor, else TypeError
+            _checks.check_count_tensor(count, f"parallel_backward: items for {where}")
+        except ValueError as err:
+            raise TypeError(str(err)) from None
+        items = items + count.reshape(()).to(terms[-1].device, terms[-1].dtype)
     return sum(terms[1:], terms[0]), items
-
-
-def _count(count: Any, where: str, like: Tensor) -> float | Tensor:
-    """A piece's item count: a finite number >= 0, or a one-element real tensor (moved as
-    ``like``); ValueError (TypeError for a tensor of another shape) naming ``where``."""
-    if not isinstance(count, Tensor):
-        return _checks.check_count(
-            count, "parallel_backward: items", "the piece's summed loss", f" for {where}"
-        )
-    try:
-        _checks.check_count_tensor(count, f"parallel_backward: items for {where}")
-    except ValueError as err:
-        raise TypeError(str(err)) from None
-    return count.reshape(()).to(like.device, like.dtype)

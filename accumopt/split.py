@@ -80,19 +80,13 @@ def micro_split(
             f"micro_split: the batch has {n} rows for {len(targets)} devices; expected at least "
             "one row per device. List fewer devices, or pass a larger batch."
         )
-    sizes = _sizes(n, shares)
-    starts = itertools.accumulate(sizes, initial=0)
-    return [Piece(rows_of.cut(i, i + k, d), k, d) for d, k, i in zip(targets, sizes, starts)]
-
-
-def _sizes(n: int, shares: list[Fraction]) -> list[int]:
-    """Largest-remainder rounding of ``n * share``; ties go to the earlier piece."""
     quotas = [n * s for s in shares]
     sizes = [math.floor(q) for q in quotas]
-    by_remainder = sorted(range(len(quotas)), key=lambda k: (-(quotas[k] - sizes[k]), k))
-    for k in by_remainder[: n - sum(sizes)]:
+    by_remainder = sorted(range(len(quotas)), key=lambda k: sizes[k] - quotas[k])  # stable
+    for k in by_remainder[: n - sum(sizes)]:  # largest remainder, ties to the earlier device
         sizes[k] += 1
-    return sizes
+    starts = itertools.accumulate(sizes, initial=0)
+    return [Piece(rows_of.cut(i, i + k, d), k, d) for d, k, i in zip(targets, sizes, starts)]
 
 
 def _check_devices(devices: object) -> list[torch.device]:
