@@ -1,12 +1,8 @@
-"""The wrapper's checkpoint format, in one place: ``state_dict``, ``load_state_dict``, copies.
-
-A wrapper's state dict is the inner optimizer's with the wrapper's entry, the bytes of a
-``torch.save`` of a dict of format 4 (:func:`state_dict`), in param group 0 under ``"accumopt"``
-(``"accumopt.rank{r}"`` on rank r > 0 of a DDP/FSDP2 model), so that it travels every path a
-state dict takes, ``torch.distributed.checkpoint`` included. Mid-window it holds this rank's
-``.grad`` and buffer sums, so the run resumes bit for bit. A ``"fingerprint"`` of the inner
-state tells an entry a bare optimizer kept and trained on: such a stale entry is ignored.
-"""
+"""The wrapper's checkpoint format: ``state_dict``, ``load_state_dict``, copies. The wrapper's
+entry, the ``torch.save`` bytes of a format 4 dict, rides in the inner optimizer's param group 0
+(key :func:`key_for`), so it travels every path a state dict takes, DCP included; an open window's
+``.grad`` and buffer sums in it resume bit for bit. A stale entry (a bare optimizer trained on, as
+its ``"fingerprint"`` of the inner state tells) is ignored."""
 
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ _STALE = (
     "dict whose inner optimizer trained on without the wrapper; the window starts fresh."
 )
 _LOAD = "Accumulate.load_state_dict: the checkpoint's"
+_INTACT = "Load an intact checkpoint; nothing was changed."
 _WINDOW = ("every", "every_items", "reduction", "scheduled")  # the window settings an entry holds
 
 
@@ -61,9 +58,8 @@ def entry_of(state_dict: Any, rank: int = 0) -> dict[str, Any] | None:
     first there; None for a bare optimizer's. ValueError: unreadable, or of another format."""
     if isinstance(state_dict, dict) and isinstance(state_dict.get(KEY), dict):
         raise ValueError(
-            f"{_LOAD} accumopt entry is in the format of accumopt 0.1 (format "
-            f"{_format(state_dict[KEY])!r}), not {FORMAT}. Resume it with accumopt 0.1 and save "
-            "at a boundary, or load the inner optimizer's state alone (without the 'accumopt' key)."
+            f"{_LOAD} accumopt entry is in the format of accumopt 0.1, not {FORMAT}. Resume with "
+            "0.1 and save at a boundary, or load the inner optimizer's state alone (no 'accumopt')."
         )
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     group = groups[0] if groups and isinstance(groups[0], dict) else {}
@@ -77,7 +73,7 @@ def entry_of(state_dict: Any, rank: int = 0) -> dict[str, Any] | None:
     except Exception as err:
         raise ValueError(
             f"{_LOAD} accumopt entry cannot be read ({type(err).__name__}: {err}); expected the "
-            "bytes Accumulate.state_dict() writes. Load an intact checkpoint; nothing was changed."
+            f"bytes Accumulate.state_dict() writes. {_INTACT}"
         ) from err
     if fmt != FORMAT:
         raise ValueError(
@@ -98,8 +94,7 @@ def _format(entry: dict[str, Any]) -> Any:
 
 
 def pack(entry: dict[str, Any]) -> bytes:
-    """``entry`` as the bytes :func:`state_dict` puts in param group 0 (a DTensor as this
-    rank's local shard)."""
+    """``entry`` as the bytes :func:`state_dict` saves (a DTensor as this rank's local shard)."""
     entry = tree_map_only(Tensor, local_shard, entry)
     buffer = io.BytesIO()
     torch.save(entry, buffer)
@@ -199,12 +194,10 @@ def _restore_window(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]
     """Resume the open window of ``entry`` (checked) into the empty one."""
     s, saved = opt._state, entry["state"]
     s.phase = Phase.BROKEN
-    for name in ("micro_step", "items", "weighted", "stepped", "size"):
-        setattr(s, name, saved[name])
-    s.micro_step, s.items = int(s.micro_step), float(s.items)
-    s.size = None if s.size is None else float(s.size)
-    found = entry["found_inf"]
-    s.found_inf = None if found is None else found.clone()
+    s.micro_step, s.items = int(saved["micro_step"]), float(saved["items"])
+    s.weighted, s.stepped = saved["weighted"], saved["stepped"]
+    s.size = None if saved["size"] is None else float(saved["size"])
+    s.found_inf = None if entry["found_inf"] is None else entry["found_inf"].clone()
     with torch.no_grad():
         for i, g in entry["grads"].items():
             params[i].grad = shard_like(g, params[i])
@@ -226,16 +219,15 @@ def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any
             "dict returned by state_dict() (or by a bare torch.optim optimizer)."
         )
     entry = entry_of(state_dict, opt.rank)
-    if entry is not None and entry.get("fingerprint") != _fingerprint(state_dict):
-        if warn:
+    if entry is None or entry.get("fingerprint") != _fingerprint(state_dict):
+        if entry is not None and warn:
             _LOG.warning(_STALE, entry.get("state", {}).get("updates"))
         return None
-    if entry is not None:
-        _check(opt, entry, _grads.params_of(opt.param_groups))
+    _check(opt, entry)
     return entry
 
 
-def _check(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None:
+def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
     """Refuse (ValueError) an entry this wrapper cannot load: a damaged field, other window
     settings, size, parameter shapes or rank."""
     state = entry.get("state")
@@ -261,8 +253,7 @@ def _check(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None
     bad = [name for name, ok in fields.items() if not ok]
     if bad:
         raise ValueError(
-            f"{_LOAD} accumopt entry has bad {', '.join(bad)}: it was changed or damaged. Load "
-            "an intact checkpoint; nothing was changed."
+            f"{_LOAD} accumopt entry has bad {', '.join(bad)}: it was changed or damaged. {_INTACT}"
         )
     assert isinstance(state, dict)
     if not state["micro_step"]:
@@ -271,20 +262,18 @@ def _check(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None
     if list(entry["rank"]) != here:
         raise ValueError(
             f"{_LOAD} open window was saved by rank {entry['rank'][0]} of {entry['rank'][1]}, "
-            f"and is loaded on rank {here[0]} of {here[1]} (its gradient is that rank's own). Load "
-            "each rank's own state dict on as many ranks, or a boundary's; nothing was changed."
+            f"and is loaded on rank {here[0]} of {here[1]}: its gradient is that rank's own. Load "
+            "each rank's own state dict on as many ranks (or a boundary's); nothing was changed."
         )
-    rules = opt._rules
-    saved = (entry["every"], entry["every_items"], entry["reduction"], entry.get("scheduled"))
-    ours = _window(opt)
-    if saved[3] or ours[3]:  # scheduled: the kind of window must match, the size is restored
-        saved = (saved[0] is None, saved[1] is None, saved[2], saved[3])
-        ours = (ours[0] is None, ours[1] is None, ours[2], ours[3])
+    rules, saved, ours = opt._rules, tuple(entry.get(k) for k in _WINDOW), _window(opt)
+    scheduled = bool(saved[3] or ours[3])
+    if scheduled:  # the kind of window must match; the size is restored
+        saved, ours = [(w[0] is None, w[1] is None, *w[2:]) for w in (saved, ours)]
     if saved != ours:
         raise ValueError(
             f"{_LOAD} open window was saved with (every, every_items, reduction)={saved[:3]!r}, "
-            f"this wrapper has {ours[:3]!r}{' (a schedule)' if saved[3] or ours[3] else ''}. "
-            "Rebuild the wrapper with them, or save at a boundary; nothing was changed."
+            f"this wrapper has {ours[:3]!r}{' (a schedule)' if scheduled else ''}. Rebuild the "
+            "wrapper with them, or save at a boundary; nothing was changed."
         )
     size = state["size"]
     full = reaches(state["micro_step"], state["items"], size, rules.in_items)
@@ -293,18 +282,18 @@ def _check(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None
     if not sized or full != state["closed"]:
         raise ValueError(
             f"{_LOAD} window of size {size!r} has micro_step={state['micro_step']!r}, items="
-            f"{state['items']!r}, closed={state['closed']!r}: it was changed or damaged (a size "
-            "this wrapper can have, closed exactly when full, expected). Nothing was changed."
+            f"{state['items']!r}, closed={state['closed']!r}; expected a size this wrapper can "
+            f"have, closed exactly when full: it was changed or damaged. {_INTACT}"
         )
-    for kind in ("grads", "sums"):
-        for i, tensor in entry[kind].items():
-            if i >= len(params) or tuple(tensor.shape) != tuple(local_shard(params[i]).shape):
-                have = f"shape {tuple(params[i].shape)}" if i < len(params) else "no such one"
-                raise ValueError(
-                    f"{_LOAD} window holds a gradient of shape {tuple(tensor.shape)} for "
-                    f"parameter {i}, this optimizer has {have}; expected the model, parameter "
-                    "groups and sharding it was saved with. Nothing was changed."
-                )
+    params = _grads.params_of(opt.param_groups)
+    for i, tensor in [*entry["grads"].items(), *entry["sums"].items()]:
+        if i >= len(params) or tuple(tensor.shape) != tuple(local_shard(params[i]).shape):
+            have = f"shape {tuple(params[i].shape)}" if i < len(params) else "no such one"
+            raise ValueError(
+                f"{_LOAD} window holds a gradient of shape {tuple(tensor.shape)} for parameter "
+                f"{i}, this optimizer has {have}; expected the model, parameter groups and "
+                "sharding it was saved with. Nothing was changed."
+            )
 
 
 def _load_schedule_state(opt: Accumulate, state: Any) -> Any:

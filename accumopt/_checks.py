@@ -1,9 +1,6 @@
-"""Argument validation for accumopt's public entry points.
-
-Every message follows one template: ``<api>: <arg>=<value!r> <what is wrong>; expected
-<constraint>. <what to do>``. Validation always runs before any state changes, so a rejected call
-loses nothing that was already accumulated.
-"""
+"""Argument checks of accumopt's public entry points, run before any state changes (a refused call
+loses nothing). Messages read ``<api>: <arg>=<value!r> <what is wrong>; expected <constraint>.
+<what to do>``."""
 
 from __future__ import annotations
 
@@ -17,6 +14,10 @@ from typing import Any, TypeGuard
 import torch
 
 from accumopt import _grads
+
+NONFINITE_POLICIES = (None, "skip_window")
+_OWNERS: weakref.WeakKeyDictionary[object, weakref.ref[object]] = weakref.WeakKeyDictionary()
+"""Inner optimizer -> the live wrapper around it (both held weakly)."""
 
 
 def positive_int(value: object) -> TypeGuard[int]:
@@ -44,34 +45,22 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"Accumulate: optimizer must be a torch.optim.Optimizer, got "
-            f"{type(optimizer).__qualname__}; expected e.g. torch.optim.AdamW(model.parameters()). "
-            "Wrap the optimizer, not a model, a scheduler or a parameter list."
+            "Accumulate: optimizer must be a torch.optim.Optimizer (not a model or a list), got "
+            f"{type(optimizer).__qualname__}; expected e.g. torch.optim.AdamW(model.parameters())."
         )
-    lazy = [
-        i
-        for i, p in enumerate(_grads.params_of(optimizer.param_groups))
-        if isinstance(p, torch.nn.parameter.UninitializedParameter)
-    ]
+    params = _grads.params_of(optimizer.param_groups)
+    lazy = [i for i, p in enumerate(params) if isinstance(p, torch.nn.UninitializedParameter)]
     if lazy:
         raise TypeError(
-            f"Accumulate: parameters {lazy} (counted from 0 over the param groups) are "
-            "uninitialized lazy parameters; expected materialized parameters. Run one forward "
-            "pass (e.g. model(example_batch)) before building the optimizer and the wrapper."
+            f"Accumulate: parameters {lazy} (counted over the param groups) are uninitialized lazy "
+            "parameters; expected materialized ones. Run one forward pass before the optimizer."
         )
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError(
-            "Accumulate: LBFGS re-evaluates the loss through a closure several times per step, "
-            "which cannot be spread over micro-batches; expected an optimizer whose step() needs "
-            "no closure. For LBFGS, accumulate the micro-batches inside its closure instead."
+            "Accumulate: LBFGS re-evaluates the loss in a closure that cannot span micro-batches; "
+            "expected an optimizer whose step() needs none. For LBFGS, accumulate in its closure."
         )
     return optimizer
-
-
-_OWNERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[object]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Inner optimizer -> the live wrapper around it (both held weakly)."""
 
 
 def claim(optimizer: torch.optim.Optimizer, wrapper: object) -> None:
@@ -85,8 +74,8 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
     if (every is None) == (every_items is None):
         raise ValueError(
             f"Accumulate: got every={every!r} and every_items={every_items!r}; expected exactly "
-            "one of them: every=N (backward passes per update) or every_items=T (items, e.g. "
-            "samples or tokens, per update), or a schedule of either (accumopt.schedules)."
+            "one: every=N (backward passes per update), every_items=T (items, e.g. samples or "
+            "tokens, per update), or a schedule of either (accumopt.schedules)."
         )
     if callable(every) or callable(every_items):
         return every, every_items
@@ -121,9 +110,8 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
         return None
     if not _positive_real(max_grad_norm):  # NaN is not > 0
         raise ValueError(
-            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive number; expected "
-            "None (no clipping), the largest total 2-norm of the window's gradient, or "
-            "float('inf') (measure the norm, opt.last_window.grad_norm, without clipping)."
+            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive number; expected None "
+            "(no clipping), the window gradient's largest 2-norm, or float('inf') (measure only)."
         )
     return float(max_grad_norm)
 
@@ -149,33 +137,26 @@ def check_buffer(buffer: object) -> bool | None:
 
 
 def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-    """Validate ``model``: None, or a ``torch.nn.Module`` holding some of the optimizer's
-    parameters."""
+    """Validate ``model``: None, or a ``torch.nn.Module`` with some of the optimizer's params."""
     if model is None:
         return None
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"Accumulate: model is a {type(model).__qualname__}; expected the torch.nn.Module "
-            "whose outputs the losses are computed from (plain, DistributedDataParallel or "
-            "fully_shard-ed), or None."
+            "(plain, DDP or fully_shard-ed) whose outputs the losses are computed from, or None."
         )
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(
-            "Accumulate: model is a TorchScript module, which cannot carry the forward hook "
-            "that counts at its outputs; expected an eager or torch.compile-d module, or no "
-            "model= (counting at the parameters)."
+            "Accumulate: model is a TorchScript module, which cannot carry the forward hook that "
+            "counts at its outputs; expected an eager or torch.compile-d module, or no model=."
         )
     wrapped = {id(p) for p in _grads.params_of(optimizer.param_groups)}
     if not any(id(p) in wrapped for p in model.parameters()):
         raise ValueError(
             f"Accumulate: the {type(model).__qualname__} given as model= holds none of the "
-            "optimizer's parameters; expected the model whose parameters the optimizer "
-            "updates (the one whose outputs the losses are computed from)."
+            "optimizer's parameters; expected the model whose parameters the optimizer updates."
         )
     return model
-
-
-NONFINITE_POLICIES = (None, "skip_window")
 
 
 def check_nonfinite(nonfinite: object) -> str | None:
@@ -183,8 +164,7 @@ def check_nonfinite(nonfinite: object) -> str | None:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
             f"Accumulate: nonfinite={nonfinite!r} is not a policy; expected one of "
-            f"{NONFINITE_POLICIES!r} ('raise' and 'skip_micro_batch' were removed in 0.2; "
-            "CHANGELOG.md has the migration)."
+            f"{NONFINITE_POLICIES!r} ('raise', 'skip_micro_batch': gone in 0.2, see CHANGELOG.md)."
         )
     return nonfinite
 
@@ -211,22 +191,17 @@ def check_loss(loss: object, api: str) -> None:
             f"{api}: loss is a tensor of shape {tuple(loss.shape)}; expected a one-element "
             "tensor that requires grad. Reduce it with .sum() or .mean()."
         )
-    problem = None
-    if loss.is_complex():
-        problem = f"is complex ({loss.dtype})"
-    elif not loss.requires_grad:
-        problem = "does not require grad (computed under torch.no_grad(), or detached)"
-    if problem is not None:
+    if loss.is_complex() or not loss.requires_grad:
+        why = f"is complex ({loss.dtype})" if loss.is_complex() else "does not require grad"
         raise ValueError(
-            f"{api}: the loss {problem}; expected a one-element real tensor that requires "
-            "grad. Reduce it with .sum() or .mean(), and keep autograd on."
+            f"{api}: the loss {why}; expected a one-element real tensor that requires grad (not "
+            "computed under torch.no_grad(), nor detached). Reduce it with .sum() or .mean()."
         )
 
 
 def check_items(items: object, api: str, read: bool = True) -> float | torch.Tensor:
     """Validate the item count given to ``Accumulate.<api>``. A tensor is read (one host sync)
-    when ``read``, else kept as a detached 0-dim tensor whose value is checked when the window
-    closes."""
+    when ``read``, else kept as a detached 0-dim tensor checked when the window closes."""
     kind = type(items)
     if (kind is int or kind is float) and 0 <= items < math.inf:  # type: ignore[operator]
         return float(items)  # type: ignore[arg-type]
@@ -269,45 +244,43 @@ def check_fsdp(
     count_at: str, in_items: bool, every_step: bool, scaler: object, rollback: bool
 ) -> None:
     """Refuse what an FSDP2 model's sharded gradients cannot honour exactly."""
-    problem = None
-    if count_at == "parameters":
-        problem = "count_at='parameters' (sharded parameters are not in the autograd graph)"
-    elif in_items and not every_step:
-        problem = "every_items without reduce_every_micro_step=True (the boundary is not known "
-        problem += "before the closing micro-step's backward)"
-    elif scaler is not None:
-        problem = "a GradScaler"
-    elif rollback:
-        problem = "the rollback buffer (buffer=True)"
-    if problem is not None:
-        raise ValueError(
-            f"Accumulate: an FSDP2 model with {problem} is not supported; expected every=N "
-            "(or reduce_every_micro_step=True), counting at the outputs, no scaler, buffer=None."
-        )
+    problems = [
+        (
+            count_at == "parameters",
+            "count_at='parameters' (sharded parameters are not in the graph)",
+        ),
+        (in_items and not every_step, "every_items without reduce_every_micro_step=True"),
+        (scaler is not None, "a GradScaler"),
+        (rollback, "the rollback buffer (buffer=True)"),
+    ]
+    for found, problem in problems:
+        if found:
+            raise ValueError(
+                f"Accumulate: an FSDP2 model with {problem} is not supported; expected every=N (or "
+                "reduce_every_micro_step=True), counting at the outputs, no scaler, buffer=None."
+            )
 
 
 def framework_accumulating(closure: object = None) -> str | None:
-    """The framework that accumulates gradients on its own around the wrapper, or None: a
-    Lightning Trainer with ``accumulate_grad_batches > 1`` (seen in the closure it steps with),
-    or a loop on Accelerate (the HF Trainer's) whose gradient sync is off for this pass. Its
-    own loss division would then make every update too small, so the wrapper refuses."""
+    """The framework that accumulates gradients itself around the wrapper (its own loss division
+    would make every update too small, so the wrapper refuses), or None: a Lightning Trainer with
+    ``accumulate_grad_batches > 1`` (seen in the closure it steps with), or a loop on Accelerate
+    (the HF Trainer's) whose gradient sync is off for this pass."""
     if isinstance(closure, functools.partial) and closure.args:
         trainer = getattr(closure.args[0], "_trainer", None)
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
             return "a Lightning Trainer with accumulate_grad_batches > 1"
     accelerate = sys.modules.get("accelerate.state")
-    if accelerate is not None:
-        shared = accelerate.GradientState._shared_state
-        if shared.get("sync_gradients", True) is False:
-            return "Accelerate (or the HF Trainer) with gradient_accumulation_steps > 1"
+    shared = {} if accelerate is None else accelerate.GradientState._shared_state
+    if shared.get("sync_gradients", True) is False:
+        return "Accelerate (or the HF Trainer) with gradient_accumulation_steps > 1"
     return None
 
 
 def refuse_framework(framework: str) -> str:
     """The refusal for :func:`framework_accumulating`'s answer."""
     return (
-        f"Accumulate: {framework} accumulates gradients around the wrapper, dividing each loss "
-        "by its own step count, so every update would be too small; expected the framework's "
-        "accumulation set to 1 (the wrapper's every= sets the window) or accumopt's "
-        "integration for it (accumopt.integrations)."
+        f"Accumulate: {framework} accumulates gradients around the wrapper, dividing each loss by "
+        "its own step count: every update would be too small. Set the framework's accumulation "
+        "to 1 (the wrapper's every= sets the window) or use accumopt.integrations."
     )

@@ -1,12 +1,11 @@
-"""Every cross-rank decision and collective of accumopt: DDP and FSDP2.
-
-Inside a window only the closing pass syncs gradients (or accumopt all-reduces the window once at
-the boundary). Each per-rank decision that changes the window is first agreed by an all-gather of
-3 float64 per rank on accumopt's own gloo group (two values and the *position*: what, at which
-micro-step): ranks at different positions raise one RuntimeError on every rank."""
+"""Every cross-rank decision and collective of accumopt (DDP, FSDP2). In a window only the closing
+pass syncs gradients (or accumopt all-reduces the window once at the boundary). Each per-rank
+decision is first agreed by an all-gather of 3 float64 per rank on accumopt's own gloo group (two
+values, and the position: what, at which micro-step); ranks apart raise on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable
@@ -55,8 +54,7 @@ def is_distributed(module: nn.Module | None) -> bool:
 
 
 def _agreement_group(group: Any) -> Any:
-    """accumopt's own gloo group over ``group``'s ranks (cached), or ``group`` itself where it
-    is not the whole world (creating a group is a collective of every process)."""
+    """accumopt's own gloo group over ``group``'s ranks (cached); ``group`` if not the world's."""
     world = dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else world))
     if len(ranks) != dist.get_world_size():
@@ -64,10 +62,9 @@ def _agreement_group(group: Any) -> Any:
     cached = _SIDE.get(ranks)
     if cached is not None and cached[0] is world:
         return cached[1]
-    try:  # the world's timeout (private API)
+    timeout = None
+    with contextlib.suppress(AttributeError, RuntimeError):  # the world's (private API)
         timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):
-        timeout = None
     side = dist.new_group(backend="gloo", timeout=timeout)
     _SIDE[ranks] = (world, side)
     return side
@@ -80,7 +77,7 @@ class LocalSync:
     synced = False  #: a process group exists: a DDP model not given to the wrapper syncs
 
     def _nothing(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to synchronise, sum, give back or adjust in one process."""
+        """Nothing to do in one process."""
 
     plan = settle = release = restored = remove = drop_pending = _nothing
 
@@ -88,21 +85,17 @@ class LocalSync:
         """Refuse items under several ranks without a DDP/FSDP2 model to sum them through."""
         if distributed() and dist.get_world_size() > 1:
             raise ValueError(
-                f"Accumulate: items under a process group of {dist.get_world_size()} ranks, "
-                "but the wrapper has no DDP/FSDP2 model to sum them over the ranks. Call "
-                "opt.set_model(ddp_model) (or pass model=) first; nothing was changed."
+                f"Accumulate: items under {dist.get_world_size()} ranks, but no DDP/FSDP2 model to "
+                "sum them over. Call opt.set_model(ddp_model) (or pass model=); nothing changed."
             )
 
     def counted(self, items: _Items, state: State, rules: Rules) -> _Items:
-        """The item count of a micro-step is this process's own."""
-        return items
+        return items  # this process's own
 
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
-        """Form the window's gradient in ``.grad``."""
         buffer.close(params, divisor)
 
     def sum_over_ranks(self, a: float, b: float, what: str) -> tuple[float, float]:
-        """One rank: the values themselves."""
         return a, b
 
 
@@ -142,7 +135,7 @@ class GradSync:
         self._finalizer.atexit = False
 
     def remove(self) -> None:
-        """Give the module its own sync setting back and remove accumopt's hook."""
+        """Give the module its own sync setting back; remove accumopt's hook."""
         self._finalizer()
 
     def _set(self, enabled: bool) -> None:
@@ -170,8 +163,7 @@ class GradSync:
         self._set(self._planned)
 
     def before_forward(self) -> None:
-        """Before each forward: the planned sync again (``no_sync()`` may have reset it), and the
-        ranks' agreement before a closing one."""
+        """The planned sync again (``no_sync()`` may reset it); agree before a closing pass."""
         if self._bound is None:
             return
         state, rules, grad_only = self._bound
@@ -190,10 +182,9 @@ class GradSync:
             self._agree(_FLUSH, 0)
         elif self.fsdp and flushing and not (state.phase is Phase.CLOSED or self.every_step):
             raise RuntimeError(
-                f"Accumulate.flush: the open window of {state.micro_step} micro-step(s) was "
-                "accumulated by FSDP2 without a gradient sync, which FSDP2 does only in a synced "
-                "backward pass. Use windows that end with the data, reduce_every_micro_step=True, "
-                "or opt.discard()."
+                f"Accumulate.flush: the open window of {state.micro_step} micro-step(s) is held by "
+                "FSDP2 without a gradient sync (done only in a synced backward). Use windows that "
+                "end with the data, reduce_every_micro_step=True, or opt.discard()."
             )
         elif not flushing:
             self.drop_pending()
@@ -234,8 +225,7 @@ class GradSync:
         return found_inf.new_full((), float(found))
 
     def settle(self, state: State, rules: Rules) -> None:
-        """At the close or ``flush()``: agree that every rank closes here (unless done already),
-        summing a weighted window's items."""
+        """At the close or ``flush()``: agree all close here (once), summing weighted items."""
         full, checked = rules.full(state), self._closing_checked
         self._closing_checked = False
         where = _CLOSE if full else _FLUSH
@@ -297,12 +287,10 @@ class GradSync:
 
     @torch.no_grad()
     def sum_grads(self, grads: list[Tensor]) -> None:
-        """Sum dense gradients of the same shapes and order on every rank over the ranks, in place
-        (one flattened all-reduce per device and dtype)."""
+        """Sum same-shaped dense gradients over the ranks in place (one all-reduce per kind)."""
         if any(g.is_sparse for g in grads):
             raise RuntimeError(
-                "Accumulate: sparse gradients cannot be summed across ranks by accumopt. Use "
-                "dense gradients under DistributedDataParallel."
+                "Accumulate: accumopt cannot sum sparse gradients over ranks; expected dense ones."
             )
         for tensors in _grads.by_kind(grads).values():
             flat = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
@@ -324,11 +312,8 @@ def shard_like(tensor: Tensor, param: Tensor) -> Tensor:
     if not isinstance(param, dtensor):
         return tensor.to(device=param.device, copy=True)
     local = tensor.to(device=param.to_local().device, copy=True)
-    shape, stride = param.shape, param.stride()
-    shard: Tensor = dtensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
-    )
-    return shard
+    layout = {"shape": param.shape, "stride": param.stride(), "run_check": False}
+    return cast(Tensor, dtensor.from_local(local, param.device_mesh, param.placements, **layout))
 
 
 def _describe(code: float, what: str) -> str:
@@ -336,8 +321,7 @@ def _describe(code: float, what: str) -> str:
 
 
 def _restore(module: Any, fsdp: bool, own: bool, hook: Any) -> None:
-    """Give ``module`` its own sync setting back; remove accumopt's forward pre-hook."""
-    hook.remove()
+    hook.remove()  # and the module's own sync setting back
     if fsdp:
         module.set_requires_gradient_sync(own)
     else:
@@ -348,17 +332,12 @@ def _drop_fsdp_pending(module: nn.Module) -> None:
     """Drop the unsharded gradients FSDP2 holds back inside a window (``opt.discard()``), or
     they would be reduced into the next one (private API: ``tests/test_torch_private_api.py``)."""
     for sub in module.modules():
-        get_state = getattr(sub, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        state = get_state()
+        state = getattr(sub, "_get_fsdp_state", lambda: None)()  # None: not an FSDP2 module
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
-            single = getattr(state, "_fsdp_param_group", None)
-            groups = [] if single is None else [single]
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.unsharded_accumulated_grad = None
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        for fsdp_param in [p for group in groups if group is not None for p in group.fsdp_params]:
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
