@@ -553,14 +553,11 @@ class Accumulate(torch.optim.Optimizer):
         found = s.found_inf
         if amp is not None:
             found = amp[1] if found is None else found + amp[1]
-        if self._rules.divisor(s, self.world_size) is None:
-            skip = True
-        elif found is not None:  # under AMP
+        skip = self._rules.divisor(s, self.world_size) is None  # no items
+        if not skip and found is not None:  # an inf/NaN under AMP
             skip = bool(found.item() > 0)
-        else:  # nonfinite="skip_window": one host sync
-            skip = self.nonfinite == "skip_window" and not _grads.all_finite(
-                _grads.grads_of(params)
-            )
+        elif not skip and self.nonfinite == "skip_window":  # one host sync
+            skip = not _grads.all_finite(_grads.grads_of(params))
         grad_norm = None
         if not skip:
             if grad_scale is not None:
@@ -747,12 +744,10 @@ class Accumulate(torch.optim.Optimizer):
         if phase is PASS:
             why = (
                 "the last backward pass ran under compiled autograd, whose end accumopt cannot "
-                "see; turn compiled autograd off (torch.compile of the model is fine) and call "
-                "opt.discard()."
+                "see; turn it off (compiling the model is fine) and call opt.discard()."
                 if s.broken == COMPILED_AUTOGRAD
-                else "an earlier backward pass failed part-way (an OOM, say) and its partial "
-                "gradient is in .grad. Call opt.discard(), or opt.drop_micro_step() with the "
-                "rollback buffer."
+                else "an earlier backward pass failed part-way (an OOM, say), leaving a partial "
+                "gradient in .grad. Call opt.discard(), or opt.drop_micro_step() with rollback."
             )
         elif phase is HELD:
             why = "a micro-step waits for opt.commit() or opt.drop_micro_step()."
@@ -777,8 +772,8 @@ class Accumulate(torch.optim.Optimizer):
             self.check_usable("set_model")
             raise RuntimeError(
                 f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) of the "
-                "previous model is open; call it between windows (opt.micro_step == 0), or "
-                "opt.flush() first."
+                "previous model is open; call set_model() between windows (opt.micro_step == 0), "
+                "or opt.flush() first."
             )
         self._bind(model, count_at)
 
