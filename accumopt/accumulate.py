@@ -495,15 +495,26 @@ class Accumulate(torch.optim.Optimizer):
 
     def _amp_step(self, found_inf: Tensor | int) -> None:
         """``scaler.step(opt)``: inside the window, fold the micro-step with its own loss scale;
-        at the boundary, apply the window unless a micro-step had an inf/NaN."""
-        s = self._state
+        at the boundary, apply the window unless a micro-step had an inf/NaN (the flag agreed
+        over the ranks; a zero flag where the scaler hands ``0``, no gradient reached)."""
+        s, scaler = self._state, self.scaler
         grad_scale = self.__dict__.get("grad_scale")
-        found = self._found_inf(found_inf)
+        if isinstance(found_inf, Tensor):
+            found = found_inf
+        elif scaler is None:
+            found = torch.zeros(())
+        else:  # recorded in the scaler too, or scaler.update() would refuse
+            scale = scaler._get_scale_async()
+            assert scale is not None
+            found = torch.zeros((), dtype=torch.float32, device=scale.device)
+            scaler._per_optimizer_states[id(self)]["found_inf_per_device"][scale.device] = found
+        if scaler is not None and isinstance(self._sync, GradSync):
+            found = self._sync.agreed_found_inf(scaler, self, found)
         if s.phase is CLOSED:
             return self._apply((grad_scale, found))
         if s.phase is not OPEN or s.stepped:
             return self._step_refusal()
-        if self.scaler is None:
+        if scaler is None:
             raise RuntimeError(
                 "Accumulate.step: scaler.step(opt) inside an open window, but the wrapper was "
                 "built without scaler= to unscale each micro-step with its own scale. Pass "
@@ -524,22 +535,6 @@ class Accumulate(torch.optim.Optimizer):
         self._buffer.fold_scaled(self._params(), grad_scale)
         self._guard.forget_grads()
         s.stepped, s.did_update, s.phase = True, False, OPEN
-
-    def _found_inf(self, found_inf: Tensor | int) -> Tensor:
-        """The micro-step's inf/NaN flag as a tensor, agreed over the ranks; for a scaler's ``0``
-        (no gradient reached) a zero flag, recorded in the scaler for ``scaler.update()``."""
-        scaler = self.scaler
-        if not isinstance(found_inf, Tensor):
-            if scaler is None:
-                return torch.zeros(())
-            scale = scaler._get_scale_async()
-            assert scale is not None
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-            states = scaler._per_optimizer_states[id(self)]
-            states["found_inf_per_device"][scale.device] = found_inf
-        if scaler is not None and isinstance(self._sync, GradSync):
-            return self._sync.agreed_found_inf(scaler, self, found_inf)
-        return found_inf
 
     def _apply(self, amp: tuple[Tensor | None, Tensor] | None, clear: bool = False) -> None:
         """Apply the closed window (a learning rate changed inside it is refused, the window
