@@ -1,11 +1,9 @@
 """Gradient accumulation as an optimizer wrapper: ``Accumulate(optimizer, every=N)``.
 
-The wrapper is a ``torch.optim.Optimizer`` whose window lives in one record
-(:class:`accumopt._state.State`, with a :class:`~accumopt._state.Phase`). Every call that
-changes more than one field of it first sets the phase to BROKEN and sets the final phase
-last, so an exception or interrupt anywhere in between leaves a wrapper that refuses every
-call but ``discard()`` and ``load_state_dict()``, never a half-changed one.
-"""
+The window lives in one record (:class:`~accumopt._state.State`, with a ``Phase``). A call that
+changes several of its fields sets the phase to BROKEN first and the final phase last, so an
+exception or interrupt in between leaves a wrapper that refuses every call but ``discard()`` and
+``load_state_dict()``, never a half-changed one."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.hooks import RemovableHandle
 
@@ -30,6 +29,7 @@ from accumopt._state import Phase, Rules, SizeFn, State, Window
 from accumopt.distributed import GradSync, LocalSync, is_distributed, sync_for
 
 _LOG = logging.getLogger("accumopt")
+_Hooks = OrderedDict[int, Callable[..., None]]
 OPEN, PASS, HELD = Phase.OPEN, Phase.PASS, Phase.HELD
 CLOSED, APPLY, BROKEN = Phase.CLOSED, Phase.APPLY, Phase.BROKEN
 
@@ -44,15 +44,20 @@ _APPLYING = _FAILED.format("step() applying the window")
 _FLUSHING = _FAILED.format("flush() closing the window")
 _DISCARDING = _FAILED.format("discard()")
 _ROUTING = _FAILED.format("enable_rollback()")
-_WIPED = (
-    "the gradients of the open window were cleared or replaced outside the wrapper (see the "
-    "error raised then)"
-)
+_WIPED = "the window's .grad was cleared or replaced outside the wrapper (see the error then)"
 STEPPED_DIRECTLY = (
-    "Accumulate: the inner {name} was stepped directly while the wrapper accumulates its "
-    "gradients (on a partial window); it was not stepped. Call opt.step() on the wrapper, or "
-    "drop the wrapper (del opt) to step the inner optimizer yourself."
+    "Accumulate: the inner {name} was stepped directly on a partial window; it was not stepped. "
+    "Call opt.step() on the wrapper, or drop the wrapper (del opt) to step the optimizer yourself."
 )
+_GROUP_ITEMS = (
+    "Accumulate: a pass of an accumopt.MicroStepGroup (accumopt.apply) came with an item count; "
+    "expected mean losses there (one unweighted micro-step)."
+)
+_NOT_OPEN = {
+    CLOSED: "Accumulate: a backward pass ran after the window closed and before step(); "
+    "expected step() after the pass that closes the window.",
+    HELD: "Accumulate: a backward pass ran while a micro-step waited for opt.commit().",
+}
 
 
 class Accumulate(torch.optim.Optimizer):
@@ -80,42 +85,38 @@ class Accumulate(torch.optim.Optimizer):
         reduction: ``"mean"`` (default) or ``"sum"`` (summed gradients).
         max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step
             (``inf``: measure only, :attr:`last_window`); may be set between steps.
-        scaler: the ``torch.amp.GradScaler`` of a loop that calls ``scaler.step(opt)`` on
-            every micro-step: each micro-step is unscaled with its own loss scale. A loop
-            that calls it at the boundary only (PyTorch's AMP recipe) needs none.
-        buffer: where finished micro-steps are summed: None (default), a float32 buffer for
-            bf16/fp16 parameters; True, every parameter (a failed micro-batch can be dropped
-            alone); False, never.
-        nonfinite: inf/NaN gradients: None (unchecked) or ``"skip_window"`` (one host sync
-            per window; a window with an inf/NaN is dropped without an update).
-        model: the model the losses come from: counting at its outputs (one hook per forward
-            call, cheaper than one per parameter tensor for large models); with DDP or FSDP2,
-            one gradient sync per update and items summed over the ranks.
+        scaler: the ``GradScaler`` of a loop that calls ``scaler.step(opt)`` every micro-step
+            (each is unscaled with its own scale); not needed at the boundary only (AMP recipe).
+        buffer: None (default): finished micro-steps of bf16/fp16 parameters summed in float32;
+            True: of every parameter (a failed micro-batch can be dropped alone); False: never.
+        nonfinite: None (unchecked) or ``"skip_window"``: a window with an inf/NaN gradient is
+            dropped without an update (one host sync per window).
+        model: the model the losses come from: passes are counted at its outputs (one hook per
+            forward call); with DDP or FSDP2, one gradient sync per update, items summed over
+            the ranks.
         reduce_every_micro_step: synchronise every micro-step, not only the closing one.
-        noise_scale: True or an :class:`accumopt.noise.NoiseScale`: estimate the gradient
-            noise scale from the windows.
+        noise_scale: True or a :class:`accumopt.noise.NoiseScale`: estimate the gradient noise
+            scale from the windows.
 
     Attributes:
         optimizer: the inner optimizer. last_window (:class:`~accumopt._state.Window` | None):
             the last boundary. noise_scale: the estimator, or None. driven_by (str | None): the
-            framework whose loop cuts the windows (set by accumopt's integrations); while it
-            is None, a framework's own accumulation around the wrapper (Lightning's
-            ``accumulate_grad_batches``, the HF Trainer's ``gradient_accumulation_steps``) is
-            refused at the first micro-step.
+            framework whose loop cuts the windows (set by accumopt's integrations); while None,
+            a framework's own accumulation (Lightning's ``accumulate_grad_batches``, the HF
+            Trainer's ``gradient_accumulation_steps``) is refused at the first micro-step.
 
     Raises:
         TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not a
             ``GradScaler``; ``model`` not an ``nn.Module``; a flag not a bool.
         ValueError: a setting out of range, or a combination accumopt cannot honour exactly.
 
-    References:
-        optax ``MultiSteps``; Megatron-LM ``calculate_per_token_loss``; PyTorch's AMP
-        examples ("Gradient accumulation").
-    """
+    References: optax ``MultiSteps``; Megatron-LM ``calculate_per_token_loss``; PyTorch AMP
+    examples ("Gradient accumulation")."""
 
     _step_supports_amp_scaling = True  # GradScaler.step hands us grad_scale and found_inf
     _accumopt_wrapper = True
     model: torch.nn.Module | None
+    _counter: Counter  # set by _bind()
 
     def __init__(
         self,
@@ -139,39 +140,32 @@ class Accumulate(torch.optim.Optimizer):
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
-        self.reduce_every_micro_step = _checks.check_flag(
-            reduce_every_micro_step, "reduce_every_micro_step"
-        )
+        flag = _checks.check_flag(reduce_every_micro_step, "reduce_every_micro_step")
+        self.reduce_every_micro_step = flag
         # Base init on copies of the groups, then share the inner's containers by identity
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
         self.optimizer, self.param_groups = inner, inner.param_groups
         self.state, self.defaults = inner.state, inner.defaults
         self._rules = Rules(every, every_items, self.reduction)
         self._state = State()
-        rollback = self.buffer is True
-        self._buffer = WindowBuffer(self.buffer, rollback, self.scaler)
+        self._buffer = WindowBuffer(self.buffer, self.buffer is True, self.scaler)
         self._guard = Guard()
-        self._micro_step_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._window_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._update_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._micro_step_hooks, self._window_hooks = _Hooks(), _Hooks()
+        self._update_hooks = _Hooks()
         self.last_window: Window | None = None
         self.driven_by: str | None = None
         self._thread: int | None = None  # the thread that steps the wrapper
-        self._passes = 0  # backward passes this wrapper saw end (opt.backward's check)
-        self._hold = False  # the running opt.backward(hold=True)
+        self._passes, self._hold = 0, False  # passes seen to end; in opt.backward(hold=True)
         self._held: float | Tensor | None = None  # the items of a HELD micro-step
         self._listed: list[Tensor] | None = None
         self._dtypes: tuple[Any, ...] = ()
         self.model, self._sync = None, LocalSync()
-        self._counter: Counter | None = None
         self._bind(model, "outputs")
         self.noise_scale = _attach_noise(self, noise_scale)
         _checks.claim(inner, self)
         _watch_inner(inner, self)
         weakref.finalize(self, _warn_unapplied, self._state)
         self._open()  # the first window's size (a schedule may refuse it)
-
-    # ------------------------------------------------------------------ read-outs
 
     @property
     def every(self) -> int | None:
@@ -182,8 +176,7 @@ class Accumulate(torch.optim.Optimizer):
 
     @property
     def every_items(self) -> float | None:
-        """The open window's size in items, or None for a window in micro-steps (asked as
-        :attr:`every`)."""
+        """The open window's size in items (asked as :attr:`every`), or None (in micro-steps)."""
         return self._size() if self._rules.in_items else None
 
     def _size(self) -> float | None:
@@ -213,25 +206,17 @@ class Accumulate(torch.optim.Optimizer):
         doc="Whether the window's micro-steps carry items (None while it is empty).",
     )
     phase = property(lambda self: self._state.phase, doc="The window's phase (_state.Phase).")
-    world_size = property(
-        lambda self: self._sync.world_size,
-        doc="Ranks of the wrapper's DDP/FSDP2 model (1 without one).",
-    )
-    rank = property(
-        lambda self: self._sync.rank, doc="This process's rank in the model's ranks (0)."
-    )
+    world_size = property(lambda self: self._sync.world_size, doc="DDP/FSDP2 ranks (1 without).")
+    rank = property(lambda self: self._sync.rank, doc="This process's rank (0 without DDP/FSDP2).")
 
     def _params(self) -> list[Tensor]:
-        """The wrapped parameters in state-dict order, listed afresh (the same list object
-        while they do not change): when a window opens and closes."""
+        """The wrapped parameters in state-dict order, listed afresh (same list if unchanged)."""
         self._listed = _grads.same_listing(self._listed, _grads.params_of(self.param_groups))
         return self._listed
 
     def _listing(self) -> list[Tensor]:
-        """The parameters as last listed (:meth:`_params`; again after ``add_param_group``)."""
+        """The parameters as last listed (listed again after ``add_param_group``)."""
         return self._listed or self._params()
-
-    # ------------------------------------------------------------------ micro-steps
 
     def backward(
         self,
@@ -244,24 +229,21 @@ class Accumulate(torch.optim.Optimizer):
         """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
 
         Args:
-            loss: a one-element real tensor that requires grad; with ``items``, the
-                micro-batch's *summed* loss. Under AMP ``scaler.scale(loss)``. A pass that
-                reaches no wrapped parameter still counts.
+            loss: a one-element real tensor that requires grad (under AMP ``scaler.scale(loss)``);
+                with ``items``, the micro-batch's *summed* loss. A pass reaching no wrapped
+                parameter still counts.
             items: how many items (samples, tokens) ``loss`` covers: a number >= 0 or a
-                one-element tensor (read without a host sync in a window counted in
-                micro-steps: its value is checked when the window closes; read at once in a
-                window counted in items, which needs it to know when it closes).
-            hold: leave the micro-step uncounted (phase HELD) until :meth:`commit` counts it
-                or :meth:`drop_micro_step` drops it (``MicroBatchRunner`` under DDP: the ranks
-                agree first).
+                one-element tensor (in a window counted in micro-steps, read without a host sync
+                and checked when the window closes; in one counted in items, read at once).
+            hold: leave the micro-step uncounted (phase HELD) until :meth:`commit` counts it or
+                :meth:`drop_micro_step` drops it (``MicroBatchRunner``: the DDP ranks agree first).
             **kwargs: forwarded to ``Tensor.backward``.
 
         Raises:
             TypeError / ValueError: a bad ``loss`` or ``items``; weighted and unweighted
                 micro-steps mixed; a window in items without ``items``.
             RuntimeError: the window is complete and waits for :meth:`step`; an earlier call
-                or pass failed part-way. Nothing is accumulated by a refused call.
-        """
+                or pass failed part-way. Nothing is accumulated by a refused call."""
         _checks.check_loss(loss, "Accumulate.backward")
         if hold is not False and hold is not True:
             _checks.check_flag(hold, "hold")
@@ -279,46 +261,39 @@ class Accumulate(torch.optim.Optimizer):
             self._hold = False
 
     def next_items(self, items: float | Tensor) -> None:
-        """Say that the next backward pass covers ``items`` items, for a pass accumopt does not
-        run (``accelerator.backward``, Lightning's ``manual_backward``): that pass is then a
-        micro-step weighted like ``opt.backward(loss_sum, items=items)`` for every wrapper it
-        reaches, and its loss must be the *summed* loss.
+        """Say that the next backward pass, one accumopt does not run (``accelerator.backward``,
+        Lightning's ``manual_backward``), covers ``items`` items: that pass is then a micro-step
+        weighted like ``opt.backward(loss_sum, items=items)`` for every wrapper it reaches, and
+        its loss must be the *summed* loss.
 
         Raises:
-            ValueError: bad ``items``; a count already waits for its pass (:meth:`discard`
-                drops it); unweighted micro-steps in the window; several ranks without a
-                DDP/FSDP2 model. RuntimeError: as :meth:`backward`. Nothing changes then.
-        """
-        if items is None:
-            raise ValueError(
-                "Accumulate.next_items: items=None; expected the number of items the next "
-                "backward pass covers, a number >= 0 or a one-element tensor."
-            )
+            ValueError: bad ``items``; a count already waits for its pass (:meth:`discard` drops
+                it); unweighted micro-steps in the window; several ranks without a DDP/FSDP2
+                model. RuntimeError: as :meth:`backward`. Nothing changes then."""
+        if items is None:  # refused as no count, before a waiting one
+            _checks.check_items(items, "next_items")
         PENDING.set(self._check_micro_step("next_items", items), self)
 
     def _check_micro_step(self, api: str, items: float | Tensor | None) -> float | Tensor | None:
         """Validate a coming micro-step against the window; returns its item count."""
         if PENDING._owner is not None and (waiting := PENDING.items) is not None:
             raise ValueError(
-                f"Accumulate.{api}: next_items({float(waiting):g}) is still waiting for "
-                "its backward pass; expected one item count per pass. opt.discard() drops it. "
-                "Nothing was changed."
+                f"Accumulate.{api}: next_items({float(waiting):g}) is still waiting for its "
+                "backward pass; expected one count per pass (opt.discard() drops it). No change."
             )
         weight = None if items is None else _checks.check_items(items, api, self._rules.in_items)
         s = self._state
         if s.phase is not OPEN:
             self.check_usable(api)
-        refusal = self._rules.refusal(s, weight is not None)
-        if refusal is not None:
+        if (refusal := self._rules.refusal(s, weight is not None)) is not None:
             raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
         if weight is not None:
             self._sync.check_weighted()
         return weight
 
     def _end_pass(self, before: Phase, items: float | Tensor | None) -> None:
-        """The end of a backward pass into the window (the counter's engine callback, or
-        :meth:`backward` for a pass that reached nothing watched): count it, hold it, or break
-        on it (``before``: the phase the pass found)."""
+        """The end of a backward pass (the counter's callback, or :meth:`backward`'s for one that
+        reached nothing watched; ``before``: the phase it found): count, hold or break on it."""
         self._passes += 1
         s = self._state
         group = GROUP.members
@@ -328,26 +303,17 @@ class Accumulate(torch.optim.Optimizer):
             return
         problem: tuple[type[Exception], str] | None = None
         if before is not OPEN:
-            problem = RuntimeError, _not_open(before)
+            problem = RuntimeError, _NOT_OPEN[before]
         elif (refusal := self._rules.refusal(s, items is not None)) is not None:
             problem = refusal
         elif (
             not s.micro_step
             and self.driven_by is None
-            and (
-                framework := _checks.framework_accumulating()  # once a window: it lasts a window
-            )
+            and (framework := _checks.framework_accumulating())  # once a window: it lasts one
         ):
             problem = RuntimeError, _checks.refuse_framework(framework)
         elif group is not None and items is not None:
-            problem = (
-                ValueError,
-                (
-                    "Accumulate: a pass of an accumopt.MicroStepGroup (accumopt.apply) "
-                    "came with an item count; expected mean losses there (one unweighted "
-                    "micro-step)."
-                ),
-            )
+            problem = ValueError, _GROUP_ITEMS
         if problem is not None:
             self._break("a backward pass could not join the window (see the error it raised)")
             raise problem[0](f"{problem[1]} {UNREFUSABLE}")
@@ -361,10 +327,7 @@ class Accumulate(torch.optim.Optimizer):
 
     def commit(self) -> None:
         """Count the micro-step that :meth:`backward` with ``hold=True`` left waiting.
-
-        Raises:
-            RuntimeError: no micro-step waits (phase is not HELD).
-        """
+        RuntimeError if none waits (phase is not HELD)."""
         if self._state.phase is not HELD:
             raise RuntimeError(
                 f"Accumulate.commit: no micro-step waits to be counted (phase "
@@ -377,12 +340,8 @@ class Accumulate(torch.optim.Optimizer):
         s = self._state
         s.phase, s.broken = BROKEN, _COUNTING
         items = self._sync.counted(items, s, self._rules)
-        s.micro_step, s.weighted, s.stepped, s.did_update = (
-            s.micro_step + 1,
-            items is not None,
-            False,
-            False,
-        )
+        s.micro_step, s.weighted = s.micro_step + 1, items is not None
+        s.stepped = s.did_update = False
         if items is not None:
             s.items += items
         synced = self._sync.synced  # each sync writes into .grad once more
@@ -409,14 +368,13 @@ class Accumulate(torch.optim.Optimizer):
 
     def _close(self) -> None:
         """Form the window's gradient in ``.grad`` (divided once, over all ranks); item counts
-        given as tensors are read here, once a window."""
+        given as tensors are read here."""
         s = self._state
         if isinstance(s.items, Tensor):
             s.items = _checks.check_count(
                 s.items.item(), "Accumulate: the window's items", "its summed loss"
             )
-        problem = self._guard.wiped()
-        if problem is not None:
+        if (problem := self._guard.wiped()) is not None:
             self._break(_WIPED)
             raise RuntimeError(problem)
         self._sync.settle(s, self._rules)
@@ -425,8 +383,8 @@ class Accumulate(torch.optim.Optimizer):
             hook(self)
 
     def _in_grad(self) -> list[Tensor] | None:
-        """The parameters whose window lives in ``.grad`` between micro-steps, or None where
-        the closing pass replaces ``.grad`` itself (FSDP2, DDP's bucket views)."""
+        """The parameters whose window lives in ``.grad``, or None where the closing pass
+        replaces ``.grad`` (FSDP2, DDP's bucket views)."""
         sync, buffer = self._sync, self._buffer
         if sync.fsdp or getattr(sync.module, "gradient_as_bucket_view", False):
             return None
@@ -437,8 +395,8 @@ class Accumulate(torch.optim.Optimizer):
         return [p for p in params if id(p) not in buffered] if buffered else params
 
     def _plan(self) -> None:
-        """Plan the next pass's gradient sync (DDP/FSDP2). The sync keeps what it is given:
-        nothing that holds the wrapper (a dropped wrapper is freed without a collection)."""
+        """Plan the next pass's DDP/FSDP2 sync, given nothing that holds the wrapper (a dropped
+        wrapper is freed without a collection)."""
         if not isinstance(self._sync, GradSync):
             return
         buffer, groups = self._buffer, self.param_groups
@@ -446,25 +404,20 @@ class Accumulate(torch.optim.Optimizer):
             self._state, self._rules, lambda: buffer.grad_only(_grads.params_of(groups))
         )
 
-    # ------------------------------------------------------------------ step
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """End a micro-step; at the boundary clip and step the inner optimizer (or skip the
-        window), set :attr:`did_update`. Inside the window nothing else happens.
+        window), set :attr:`did_update`. Inside the window nothing else happens. Returns the
+        closure's value, or None (``torch.optim.Optimizer.step``).
 
         Args:
             closure: as for every torch optimizer (Lightning passes one): called once, with
                 autograd on, before the step; it runs the micro-step's forward and backward.
 
-        Returns:
-            The closure's return value, or None.
-
         Raises:
             RuntimeError: no backward pass since the last ``step()``; an earlier call or pass
                 failed part-way; a learning rate changed inside the window (nothing applied);
                 ``scaler.step(opt)`` inside a window without ``scaler=``, or after
-                ``scaler.unscale_(opt)`` there; a second thread.
-        """
+                ``scaler.unscale_(opt)`` there; a second thread."""
         loss = None
         if closure is not None:
             framework = self.driven_by is None and _checks.framework_accumulating(closure)
@@ -472,17 +425,10 @@ class Accumulate(torch.optim.Optimizer):
                 raise RuntimeError(_checks.refuse_framework(framework) + " Nothing was changed.")
             with torch.enable_grad():
                 loss = closure()
-        if (
-            self._optimizer_step_pre_hooks
-            or self._optimizer_step_post_hooks
-            or _global_optimizer_pre_hooks
-            or _global_optimizer_post_hooks
-        ):
-            step = _hooked_step
-        else:
-            step = Accumulate._step
+        hooked = self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+        hooked = hooked or _global_optimizer_pre_hooks or _global_optimizer_post_hooks
         try:
-            step(self)
+            (_hooked_step if hooked else Accumulate._step)(self)
         except BaseException:  # GradScaler.step deletes these only when step() returns
             self.__dict__.pop("found_inf", None)
             self.__dict__.pop("grad_scale", None)
@@ -504,8 +450,7 @@ class Accumulate(torch.optim.Optimizer):
             self._step_refusal()
 
     def _step_refusal(self) -> None:
-        """Everything ``step()`` does besides a micro-step and a boundary: bind the first
-        thread, run DCP's state initialisation, or refuse."""
+        """The rest of ``step()``: bind the first thread, run DCP's state init, or refuse."""
         s = self._state
         if self._thread is None:
             self._thread = get_ident()
@@ -513,15 +458,15 @@ class Accumulate(torch.optim.Optimizer):
         if self._thread != get_ident():
             self._break("step() was called from a second thread")
             raise RuntimeError(
-                "Accumulate.step: called from a second thread; one wrapper counts the backward "
-                "passes of one thread, so it now refuses on every thread. Use one Accumulate "
-                "per training thread; opt.discard() drops the window."
+                "Accumulate.step: called from a second thread; one wrapper counts one thread's "
+                "passes, so it now refuses on every thread. Use one Accumulate per training "
+                "thread; opt.discard() drops the window."
             )
         self.check_usable("step")
         if s.phase is OPEN and _checkpoint.dcp_init_step(self):
             return None
         hint = "Check that the loss depends on the wrapped parameters"
-        if self._counter is not None and self._counter.retired:
+        if self._counter.retired:
             hint = "This wrapper was released (opt.release(), at the end of a fit): call "
             hint += "opt.reattach()"
         elif self.model is not None:
@@ -535,50 +480,55 @@ class Accumulate(torch.optim.Optimizer):
         )
 
     def _scaled(self) -> bool:
-        """Whether the closed window is in scaled units for a plain ``step()``: refused (a
-        ``scaler.unscale_(opt)`` at the boundary unscaled it: then it may go on)."""
+        """Refuse a plain ``step()`` on a closed window still in scaled units (False where
+        ``scaler.unscale_(opt)`` at the boundary unscaled it)."""
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
             return False
-        from torch.amp.grad_scaler import OptState
-
         state = scaler._per_optimizer_states.get(id(self))
         if state is not None and state["stage"] is OptState.UNSCALED:
             return False
         raise RuntimeError(
-            "Accumulate.step: the window is complete but step() was not called through the "
-            "GradScaler given as scaler=, so its gradient is still scaled; expected "
-            "scaler.step(opt) followed by scaler.update(). Nothing was applied."
+            "Accumulate.step: the window is complete, but its gradient is still scaled; expected "
+            "scaler.step(opt) (the scaler= GradScaler), then scaler.update(). Nothing was applied."
         )
 
     def _amp_step(self, found_inf: Tensor | int) -> None:
-        """``scaler.step(opt)``: inside the window, fold the micro-step with its own loss
-        scale; at the boundary, apply the window unless a micro-step had an inf/NaN."""
-        s = self._state
+        """``scaler.step(opt)``: inside the window, fold the micro-step with its own loss scale;
+        at the boundary, apply the window unless a micro-step had an inf/NaN (the flag agreed
+        over the ranks; a zero flag where the scaler hands ``0``, no gradient reached)."""
+        s, scaler = self._state, self.scaler
         grad_scale = self.__dict__.get("grad_scale")
-        found = self._found_inf(found_inf)
+        if isinstance(found_inf, Tensor):
+            found = found_inf
+        elif scaler is None:
+            found = torch.zeros(())
+        else:  # recorded in the scaler too, or scaler.update() would refuse
+            scale = scaler._get_scale_async()
+            assert scale is not None
+            found = torch.zeros((), dtype=torch.float32, device=scale.device)
+            scaler._per_optimizer_states[id(self)]["found_inf_per_device"][scale.device] = found
+        if scaler is not None and isinstance(self._sync, GradSync):
+            found = self._sync.agreed_found_inf(scaler, self, found)
         if s.phase is CLOSED:
             return self._apply((grad_scale, found))
         if s.phase is not OPEN or s.stepped:
             return self._step_refusal()
-        if self.scaler is None:
+        if scaler is None:
             raise RuntimeError(
                 "Accumulate.step: scaler.step(opt) inside an open window, but the wrapper was "
-                "built without scaler=, so it cannot unscale each micro-step with its own loss "
-                "scale. Build it with Accumulate(..., scaler=scaler), or call scaler.step(opt) "
-                "only when opt.will_update (PyTorch's AMP recipe). Nothing was changed."
+                "built without scaler= to unscale each micro-step with its own scale. Pass "
+                "scaler=scaler, or call scaler.step(opt) only when opt.will_update. No change."
             )
         if grad_scale is None:  # scaler.unscale_(opt) ran on a partial window
             self._break("scaler.unscale_(opt) ran inside an open window")
             raise RuntimeError(
-                "Accumulate.step: scaler.unscale_(opt) ran inside an open window, so .grad "
-                "holds one micro-batch's unscaled gradient (clipping it clips a partial sum). "
-                "Unscale and clip only when opt.will_update, or use max_grad_norm=; "
-                "opt.discard() drops this window."
+                "Accumulate.step: scaler.unscale_(opt) ran inside an open window (clipping there "
+                "clips a partial sum). Unscale and clip only when opt.will_update, or use "
+                "max_grad_norm=; opt.discard() drops this window."
             )
         s.phase, s.broken = BROKEN, _FOLDING
-        problem = self._guard.wiped()
-        if problem is not None:
+        if (problem := self._guard.wiped()) is not None:
             self._break(_WIPED)
             raise RuntimeError(problem)
         s.found_inf = found if s.found_inf is None else s.found_inf + found
@@ -586,29 +536,10 @@ class Accumulate(torch.optim.Optimizer):
         self._guard.forget_grads()
         s.stepped, s.did_update, s.phase = True, False, OPEN
 
-    def _found_inf(self, found_inf: Tensor | int) -> Tensor:
-        """The micro-step's inf/NaN flag as a tensor, agreed over the ranks. A micro-step that
-        reached no gradient has none (the scaler hands ``0``): a zero flag is recorded in the
-        scaler too, or ``scaler.update()`` would refuse."""
-        scaler = self.scaler
-        if not isinstance(found_inf, Tensor):
-            if scaler is None:
-                return torch.zeros(())
-            scale = scaler._get_scale_async()
-            assert scale is not None
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-            states = scaler._per_optimizer_states[id(self)]
-            states["found_inf_per_device"][scale.device] = found_inf
-        if scaler is not None and isinstance(self._sync, GradSync):
-            return self._sync.agreed_found_inf(scaler, self, found_inf)
-        return found_inf
-
     def _apply(self, amp: tuple[Tensor | None, Tensor] | None, clear: bool = False) -> None:
-        """Apply the closed window: refuse a learning rate changed inside it (the window stays
-        intact), then skip it or unscale, clip and step the inner optimizer, then open the
-        next window."""
-        problem = self._guard.lr_changed(self.param_groups)
-        if problem is not None:
+        """Apply the closed window (a learning rate changed inside it is refused, the window
+        intact): skip it (no items, or an inf/NaN) or unscale, clip and step; open the next."""
+        if (problem := self._guard.lr_changed(self.param_groups)) is not None:
             raise RuntimeError(problem)
         s = self._state
         s.phase, s.broken = BROKEN, _APPLYING
@@ -617,8 +548,13 @@ class Accumulate(torch.optim.Optimizer):
         found = s.found_inf
         if amp is not None:
             found = amp[1] if found is None else found + amp[1]
+        skip = self._rules.divisor(s, self.world_size) is None  # no items
+        if not skip and found is not None:  # an inf/NaN under AMP
+            skip = bool(found.item() > 0)
+        elif not skip and self.nonfinite == "skip_window":  # one host sync
+            skip = not _grads.all_finite(_grads.grads_of(params))
         grad_norm = None
-        if not self._skip(params, found):
+        if not skip:
             if grad_scale is not None:
                 _grads.div_(_grads.grads_of(params), grad_scale)
             if self.max_grad_norm is not None:
@@ -637,23 +573,10 @@ class Accumulate(torch.optim.Optimizer):
             _LOG.info("Accumulate: window %d skipped (inf/NaN or no items)", s.updates + 1)
         self._finish(grad_norm, clear)
 
-    def _skip(self, params: list[Tensor], found: Tensor | None) -> bool:
-        """Whether the closed window is skipped: no items, or an inf/NaN (seen under AMP, or
-        with ``nonfinite="skip_window"`` in its gradient now; one host sync)."""
-        if self._rules.divisor(self._state, self.world_size) is None:
-            return True
-        if found is not None:
-            return bool(found.item() > 0)
-        if self.nonfinite == "skip_window":
-            return not _grads.all_finite(_grads.grads_of(params))
-        return False
-
     def _finish(self, grad_norm: Tensor | None, clear: bool) -> None:
-        """After the update (or the skip): report, run the update hooks, clear the gradients
-        if ``clear`` (``flush()``), open the next window. A failure here (a hook, the schedule
-        asked for the next size) still opens it, with ``.grad`` cleared (the caller's
-        ``zero_grad()`` may not come; the spent gradient must not join the next window), and
-        is raised from a consistent wrapper."""
+        """After the update (or skip): report, run the update hooks, clear ``.grad`` if ``clear``,
+        open the next window. A failure here (a hook, the schedule) still opens it, ``.grad``
+        cleared, and is raised from a consistent wrapper."""
         s = self._state
         report = Window(s.micro_step, cast(float, s.items), grad_norm, s.did_update)
         self.last_window = report
@@ -675,16 +598,14 @@ class Accumulate(torch.optim.Optimizer):
         s = self._state
         self._guard.forget()
         self._buffer.reset()
-        counter, params = self._counter, self._params()
-        multi = distributed()
+        params, multi = self._params(), distributed()
         if isinstance(self._sync, LocalSync):  # a DDP model not given to the wrapper syncs
             self._sync.synced = multi
-        if counter is not None:
-            counter.requeue = isinstance(self._sync, GradSync) or multi
-            first = (params[0].dtype, params[0].device)
-            if first != self._dtypes:  # model.to(dtype or device) gave new autograd nodes
-                self._dtypes = first
-                counter.refresh()
+        self._counter.requeue = isinstance(self._sync, GradSync) or multi
+        first = (params[0].dtype, params[0].device)
+        if first != self._dtypes:  # model.to(dtype or device) gave new autograd nodes
+            self._dtypes = first
+            self._counter.refresh()
         self._rules.open(s)
         s.stepped, s.phase = True, OPEN
         self._plan()
@@ -692,9 +613,8 @@ class Accumulate(torch.optim.Optimizer):
             self._ask()
 
     def _ask(self) -> None:
-        """Ask a schedule for the open window's size: a bad size, or a schedule that raises,
-        is raised from the open, consistent window (and asked again before a micro-step
-        joins it)."""
+        """Ask a schedule for the open window's size; raise a bad size, or its error, from the
+        open, consistent window (it is asked again before the next micro-step)."""
         try:
             problem = self._rules.sized(self._state)
         finally:
@@ -702,23 +622,17 @@ class Accumulate(torch.optim.Optimizer):
         if problem is not None:
             raise ValueError(problem)
 
-    # ------------------------------------------------------------------ window control
-
     def flush(self) -> bool:
         """Apply the open, partial window now (its own exact mean; an epoch's end), then clear
-        the gradients; returns whether it updated (:attr:`did_update`).
-
-        Raises:
-            RuntimeError: an earlier call or pass failed part-way (``discard()``); FSDP2 holds
-                the window unreduced (see ``reduce_every_micro_step``).
-        """
+        the gradients; returns whether it updated (:attr:`did_update`). RuntimeError: an
+        earlier call or pass failed part-way (``discard()``); FSDP2 holds the window unreduced
+        (see ``reduce_every_micro_step``)."""
         s = self._state
         self.check_usable("flush")
+        self._sync.release(s, flushing=True)
         if s.phase is OPEN and not s.micro_step:
-            self._sync.release(s, flushing=True)
             s.did_update = False
             return False
-        self._sync.release(s, flushing=True)
         if s.phase is OPEN:
             s.phase, s.broken = BROKEN, _FLUSHING
             self._close()
@@ -736,8 +650,8 @@ class Accumulate(torch.optim.Optimizer):
         self._drop_window(release=True)
 
     def _drop_window(self, release: bool) -> None:
-        """Drop the open window; ``release``: the model's own sync setting until the next
-        micro-step (``discard()``), else the planned one (a checkpoint's window goes on)."""
+        """Drop the open window; ``release`` (``discard()``): the model's own sync setting until
+        the next micro-step, else the planned one (a checkpoint's window goes on)."""
         s = self._state
         s.phase, s.broken = BROKEN, _DISCARDING
         self.optimizer.zero_grad(set_to_none=True)
@@ -751,13 +665,9 @@ class Accumulate(torch.optim.Optimizer):
 
     def drop_micro_step(self) -> None:
         """Drop the micro-step in flight (a pass that failed part-way, or a HELD one), keeping
-        every finished one: needs the rollback buffer (``buffer=True``,
-        :meth:`enable_rollback`) unless the window is empty.
-
-        Raises:
-            RuntimeError: the window is complete; finished micro-steps live in ``.grad``; an
-                earlier call failed part-way.
-        """
+        the finished ones: needs the rollback buffer (``buffer=True``, :meth:`enable_rollback`)
+        unless the window is empty. RuntimeError: the window is complete; finished micro-steps
+        live in ``.grad``; an earlier call failed part-way."""
         s = self._state
         if s.phase in (BROKEN, APPLY):
             self.check_usable("drop_micro_step")
@@ -771,10 +681,6 @@ class Accumulate(torch.optim.Optimizer):
             raise RuntimeError(
                 f"Accumulate.drop_micro_step: {why}. opt.discard() drops the whole window."
             )
-        self._drop()
-
-    def _drop(self) -> None:
-        s = self._state
         for p in self._params():
             p.grad = None
         PENDING.clear(self)
@@ -787,16 +693,12 @@ class Accumulate(torch.optim.Optimizer):
         if s.micro_step == 0 and (s.phase is OPEN or s.phase is PASS):
             self.optimizer.zero_grad(set_to_none=set_to_none)
             s.phase = OPEN
-            if self._counter is not None:
-                self._counter.watch_groups(self.param_groups)  # parameters unfrozen since
+            self._counter.watch_groups(self.param_groups)  # parameters unfrozen since
 
     def enable_rollback(self) -> None:
-        """Route every parameter through the window buffer from now on, so that a failed
-        micro-batch can be dropped alone; callable between micro-steps.
-
-        Raises:
-            RuntimeError: built with ``buffer=False``; an FSDP2 model; a failed call.
-        """
+        """Route every parameter through the window buffer from now on (between micro-steps),
+        so that a failed micro-batch can be dropped alone. RuntimeError: built with
+        ``buffer=False``; an FSDP2 model; a failed call."""
         if self.buffer is False or self._sync.fsdp:
             why = "built with buffer=False" if self.buffer is False else "an FSDP2 model's"
             raise RuntimeError(
@@ -814,26 +716,22 @@ class Accumulate(torch.optim.Optimizer):
 
     @property
     def rollback(self) -> bool:
-        """Whether every parameter goes through the window buffer (a failed micro-batch can be
-        dropped alone: :meth:`drop_micro_step`)."""
+        """Whether every parameter goes through the window buffer (:meth:`drop_micro_step`)."""
         return self._buffer.buffer_all
 
     def disable_rollback(self) -> bool:
-        """Keep the window that opens next in ``.grad`` (no rollback buffer), where that is the
-        wrapper's own setting (not ``buffer=True``);
-        returns whether it did. Only between windows (else False)."""
-        s = self._state
-        own = self.buffer is True
-        if own or s.micro_step or s.phase is not OPEN:
+        """Keep the window that opens next in ``.grad`` (no rollback buffer), unless built with
+        ``buffer=True``; returns whether it did. Only between windows (else False)."""
+        if self.buffer is True or self._state.micro_step or self._state.phase is not OPEN:
             return False
         self._buffer.buffer_all = False
         self._buffer.forget_params()
         return True
 
     def check_usable(self, api: str = "check_usable") -> None:
-        """Raise the refusal every call but ``discard()`` and ``load_state_dict()`` raises now
-        (RuntimeError naming ``api``), if any: a backward pass or a call into the wrapper that
-        failed part-way, a micro-step that waits (phase PASS, HELD, APPLY or BROKEN)."""
+        """Raise the RuntimeError (naming ``api``) every call but ``discard()`` and
+        ``load_state_dict()`` raises now, if any: a pass or call that failed part-way, a
+        micro-step that waits (phase PASS, HELD, APPLY or BROKEN)."""
         s = self._state
         phase = s.phase
         if phase is OPEN or phase is CLOSED:
@@ -841,12 +739,10 @@ class Accumulate(torch.optim.Optimizer):
         if phase is PASS:
             why = (
                 "the last backward pass ran under compiled autograd, whose end accumopt cannot "
-                "see; turn compiled autograd off (torch.compile of the model is fine) and call "
-                "opt.discard()."
+                "see; turn it off (compiling the model is fine) and call opt.discard()."
                 if s.broken == COMPILED_AUTOGRAD
-                else "an earlier backward pass failed part-way (an OOM, say) and its partial "
-                "gradient is in .grad. Call opt.discard(), or opt.drop_micro_step() with the "
-                "rollback buffer."
+                else "an earlier backward pass failed part-way (an OOM, say), leaving a partial "
+                "gradient in .grad. Call opt.discard(), or opt.drop_micro_step() with rollback."
             )
         elif phase is HELD:
             why = "a micro-step waits for opt.commit() or opt.drop_micro_step()."
@@ -855,35 +751,29 @@ class Accumulate(torch.optim.Optimizer):
         raise RuntimeError(f"Accumulate.{api}: {why} {api}() changed nothing.")
 
     def _break(self, why: str) -> None:
-        """Leave the wrapper BROKEN (``why``: what happened, for every later refusal): only
-        ``discard()`` and ``load_state_dict()`` go on."""
-        s = self._state
-        s.broken, s.phase = why, BROKEN
-
-    # ------------------------------------------------------------------ binding
+        """Refuse all but ``discard()`` and ``load_state_dict()``, saying ``why``."""
+        self._state.broken, self._state.phase = why, BROKEN
 
     def set_model(self, model: torch.nn.Module, *, count_at: str = "outputs") -> None:
-        """Tell the wrapper the model its losses come from, after it was built (a framework
-        wrapped it in DDP/FSDP2 later): the same as ``Accumulate(..., model=model)``.
-        ``count_at="parameters"`` counts passes at the parameters while syncing through the
-        model (Lightning's ``manual_backward`` runs inside DDP's forward); not for FSDP2.
+        """``Accumulate(..., model=model)`` after the wrapper was built (a framework wrapped the
+        model in DDP/FSDP2 later). ``count_at="parameters"`` counts passes at the parameters
+        while syncing through the model (Lightning's ``manual_backward`` runs inside DDP's
+        forward); not for FSDP2.
 
         Raises:
             RuntimeError: a window is open (call it between windows); a failed call.
-            TypeError / ValueError: as ``model=``. Nothing changes when it raises.
-        """
+            TypeError / ValueError: as ``model=``. Nothing changes when it raises."""
         if self._state.micro_step or self._state.phase is not OPEN:
             self.check_usable("set_model")
             raise RuntimeError(
-                f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) is "
-                "open, counted and synced for the previous model; call set_model() between "
-                "windows (when opt.micro_step == 0), or opt.flush() first."
+                f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) of the "
+                "previous model is open; call set_model() between windows (opt.micro_step == 0), "
+                "or opt.flush() first."
             )
         self._bind(model, count_at)
 
     def _bind(self, model: Any, count_at: str) -> None:
-        """Count passes for ``model`` (or at the parameters) and synchronise through it; every
-        check runs before anything changes."""
+        """Count passes for ``model`` (or at the parameters), sync through it; checks first."""
         model = _checks.check_model(model, self.optimizer)
         if count_at not in ("outputs", "parameters"):
             raise ValueError(
@@ -892,13 +782,9 @@ class Accumulate(torch.optim.Optimizer):
         distributed = is_distributed(model)
         fsdp = distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if fsdp:
-            _checks.check_fsdp(
-                count_at,
-                self._rules.in_items,
-                self.reduce_every_micro_step,
-                self.scaler,
-                self._buffer.buffer_all,
-            )
+            in_items, buffer_all = self._rules.in_items, self._buffer.buffer_all
+            scaler, every_micro_step = self.scaler, self.reduce_every_micro_step
+            _checks.check_fsdp(count_at, in_items, every_micro_step, scaler, buffer_all)
             if self.__dict__.get("noise_scale") is not None:
                 raise ValueError(
                     "Accumulate: noise_scale with an FSDP2 model is not supported; expected a "
@@ -906,15 +792,11 @@ class Accumulate(torch.optim.Optimizer):
                 )
         params = _grads.params_of(self.param_groups)
         sync = sync_for(model, params[0].device, self.reduce_every_micro_step)
-        counter = Counter(
-            self._state,
-            self._end_pass,
-            model if count_at == "outputs" else None,
-            confirm=not fsdp,
-            requeue=distributed and not fsdp,
-        )
+        module = model if count_at == "outputs" else None
+        requeue = distributed and not fsdp
+        counter = Counter(self._state, self._end_pass, module, confirm=not fsdp, requeue=requeue)
         counter.watch_groups(self.param_groups)
-        if self._counter is not None:
+        if "_counter" in self.__dict__:  # not in __init__
             self._counter.remove()
         self._sync.release(self._state)
         self._sync.remove()
@@ -927,19 +809,15 @@ class Accumulate(torch.optim.Optimizer):
         self._plan()
 
     def release(self) -> None:
-        """Stop counting this wrapper's backward passes (every hook removed; the window and the
-        inner optimizer stay): a framework's run that ended. :meth:`reattach` undoes it."""
-        if self._counter is not None:
-            self._counter.remove()
+        """Stop counting backward passes (hooks removed; the window and the inner optimizer stay)
+        at the end of a framework's run; :meth:`reattach` undoes it."""
+        self._counter.remove()
 
     def reattach(self) -> None:
-        """Count passes again, where they were counted before :meth:`release` (a no-op if it
-        was not released)."""
-        if self._counter is not None and self._counter.retired:
+        """Count passes again as before :meth:`release` (a no-op if it was not released)."""
+        if self._counter.retired:
             module = self._counter._module
             self._bind(self.model, "outputs" if module is not None else "parameters")
-
-    # ------------------------------------------------------------------ hooks
 
     def register_micro_step_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(opt, items, synced)`` at every counted micro-step, before the wrapper
@@ -965,13 +843,10 @@ class Accumulate(torch.optim.Optimizer):
             self._sync.sum_grads(tensors)
 
     def sum_over_ranks(self, a: float, b: float = 0.0, what: str = "") -> tuple[float, float]:
-        """``(a, b)`` summed over the ranks of the wrapper's DDP/FSDP2 model (one small
-        collective on accumopt's agreement group; themselves in one process). RuntimeError on
-        every rank when another rank is at another point of the window (``what`` names the
-        caller's)."""
+        """``(a, b)`` summed over the ranks of the wrapper's DDP/FSDP2 model (one small collective
+        on accumopt's group; as given in one process). RuntimeError on every rank when another
+        is at another point of the window (``what`` names the caller's)."""
         return self._sync.sum_over_ranks(float(a), float(b), what)
-
-    # ------------------------------------------------------------------ torch.optim
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (and count passes through it)."""
@@ -982,23 +857,21 @@ class Accumulate(torch.optim.Optimizer):
         inner.add_param_group(param_group)
         self._listed = None
         self._buffer.forget_params()
-        if self._counter is not None:
-            self._counter.watch(self.param_groups[-1]["params"])
+        self._counter.watch(self.param_groups[-1]["params"])
 
     def train(self) -> None:
         """The inner optimizer's ``train()`` where it has one (schedule-free optimizers)."""
-        getattr(self.optimizer, "train", _nothing)()
+        getattr(self.optimizer, "train", lambda: None)()
 
     def eval(self) -> None:
         """The inner optimizer's ``eval()`` where it has one (schedule-free optimizers)."""
-        getattr(self.optimizer, "eval", _nothing)()
+        getattr(self.optimizer, "eval", lambda: None)()
 
     state_dict = _checkpoint.state_dict
     load_state_dict = _checkpoint.load_state_dict
 
     def loadable(self, state_dict: Any) -> str | None:
-        """Why :meth:`load_state_dict` would refuse ``state_dict`` (its message), or None;
-        loads nothing."""
+        """Why :meth:`load_state_dict` would refuse ``state_dict`` (its message), or None."""
         try:
             _checkpoint.check(self, state_dict)
         except (TypeError, ValueError) as err:
@@ -1006,11 +879,10 @@ class Accumulate(torch.optim.Optimizer):
         return None
 
     def agree_on_loads(self, all_ranks: Callable[[bool], bool]) -> RemovableHandle:
-        """For a framework that loads one rank's optimizer state on every rank (Lightning's
-        DDP saves rank 0's alone): before each load the ranks agree (``all_ranks(ok)``, a
-        collective returning whether ``ok`` holds on every rank) that each can load it, and
-        every rank raises ValueError when one cannot (none waits in a collective for one
-        that raised). Returns the pre-hook's handle."""
+        """For a framework loading one rank's optimizer state on every rank (Lightning's DDP
+        saves rank 0's): before each load the ranks agree (``all_ranks(ok)``: a collective, is
+        ``ok`` true on every rank) that each can load it, and every rank raises ValueError when
+        one cannot (none is left waiting). Returns the pre-hook's handle."""
 
         def agree(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
             problem = cast(Accumulate, opt).loadable(state)
@@ -1018,9 +890,8 @@ class Accumulate(torch.optim.Optimizer):
                 raise ValueError(
                     problem
                     or "Accumulate.load_state_dict: another rank refused the checkpoint's open "
-                    "window (see its error): a window is one rank's own partial gradient. "
-                    "Resume each rank from its own state dict, or from a checkpoint saved at "
-                    "a boundary. Nothing was changed."
+                    "window (see its error); resume each rank from its own state dict, or from "
+                    "a checkpoint saved at a boundary. Nothing was changed."
                 )
 
         return self.register_load_state_dict_pre_hook(agree)
@@ -1037,43 +908,26 @@ class Accumulate(torch.optim.Optimizer):
 _hooked_step = torch.optim.Optimizer.profile_hook_step(Accumulate._step)
 
 
-def _not_open(phase: Phase) -> str:
-    """Why a backward pass cannot join a window in ``phase`` (CLOSED or HELD)."""
-    if phase is CLOSED:
-        return (
-            "Accumulate: a backward pass ran after the window closed and before step(); "
-            "expected step() after the pass that closes the window."
-        )
-    return "Accumulate: a backward pass ran while a micro-step waited for opt.commit()."
-
-
-def _nothing() -> None:
-    pass
-
-
 def _warn_unapplied(state: State) -> None:
     """At the end of a wrapper (or of the process): say so when micro-steps were never applied
     (a loop or framework that ended inside a window without ``flush()``)."""
     if state.micro_step and state.phase is not BROKEN:
         warnings.warn(
-            f"Accumulate: a wrapper ended with {state.micro_step} micro-step(s) of an open "
-            "window never applied; call opt.flush() where the data ends to apply a partial "
-            "window (or opt.discard() to drop it on purpose).",
-            UserWarning,
+            f"Accumulate: a wrapper ended with {state.micro_step} micro-step(s) of an open window "
+            "never applied; call opt.flush() where the data ends (opt.discard() drops it).",
             stacklevel=1,
         )
 
 
-def _register(hooks: OrderedDict[int, Callable[..., None]], hook: Any) -> RemovableHandle:
+def _register(hooks: _Hooks, hook: Any) -> RemovableHandle:
     handle = RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
 
 
 def _watch_inner(inner: torch.optim.Optimizer, owner: Accumulate) -> None:
-    """Hooks on the inner optimizer: a pre-step hook refuses a step the wrapper did not start
-    (stepped directly on a partial window); a post-step hook, run before every other one,
-    counts the update as soon as it is applied. Removed when ``owner`` is freed."""
+    """Hooks on the inner optimizer, removed with ``owner``: one refuses a step the wrapper did
+    not start; one, run first after the step, counts the update as soon as it is applied."""
     ref, state = weakref.ref(owner), owner._state
 
     def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -1103,12 +957,10 @@ def _attach_noise(opt: Accumulate, noise_scale: Any) -> Any:
 
     schedule = opt._rules.schedule
     wants = callable(getattr(schedule, "bind_noise_scale", None))
-    if noise_scale is None or noise_scale is False:
-        if not wants:
-            return None
-        noise_scale = True
-    if noise_scale is True:
+    if noise_scale is True or (wants and (noise_scale is None or noise_scale is False)):
         noise_scale = NoiseScale()
+    elif noise_scale is None or noise_scale is False:
+        return None
     if not isinstance(noise_scale, NoiseScale):
         raise TypeError(
             f"Accumulate: noise_scale={noise_scale!r}; expected True, False or an "
