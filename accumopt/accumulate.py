@@ -44,6 +44,7 @@ _APPLYING = _FAILED.format("step() applying the window")
 _FLUSHING = _FAILED.format("flush() closing the window")
 _DISCARDING = _FAILED.format("discard()")
 _ROUTING = _FAILED.format("enable_rollback()")
+_IN_HOOK = "a micro-step hook is running (hooks read the wrapper; they do not call into it)"
 _WIPED = "the window's .grad was cleared or replaced outside the wrapper (see the error then)"
 STEPPED_DIRECTLY = (
     "Accumulate: the inner {name} was stepped directly on a partial window; it was not stepped. "
@@ -157,6 +158,9 @@ class Accumulate(torch.optim.Optimizer):
         self._thread: int | None = None  # the thread that steps the wrapper
         self._passes, self._hold = 0, False  # passes seen to end; in opt.backward(hold=True)
         self._held: float | Tensor | None = None  # the items of a HELD micro-step
+        self._last_found: Tensor | None = None  # AMP: the closing pass's own inf/NaN flag
+        self._gated = False  # a GradScaler stepped a boundary without scaler=
+        self._low: Tensor | None = None  # the smallest item count given as a tensor
         self._listed: list[Tensor] | None = None
         self._dtypes: tuple[Any, ...] = ()
         self.model, self._sync = None, LocalSync()
@@ -344,17 +348,25 @@ class Accumulate(torch.optim.Optimizer):
         s.stepped = s.did_update = False
         if items is not None:
             s.items += items
+            if isinstance(items, Tensor):  # each count is checked at the close (no sync now)
+                self._low = items if self._low is None else torch.minimum(self._low, items)
         synced = self._sync.synced  # each sync writes into .grad once more
         hooks = self._micro_step_hooks
         if hooks:
-            for hook in hooks.values():
-                hook(self, items, synced)
+            s.broken = _IN_HOOK
+            try:
+                for hook in hooks.values():
+                    hook(self, items, synced)
+            finally:
+                s.broken = _COUNTING
         if s.micro_step > 1 and (problem := self._guard.passed(2 if synced else 1)):
             self._break(_WIPED)
             raise RuntimeError(problem)
         if self._rules.full(s):
+            if s.found_inf is not None and self.scaler is not None:  # the closing pass's inf
+                one = torch.ones((), device=s.found_inf.device)
+                self._last_found = _grads.unscale_(_grads.grads_of(self._listing()), one)
             self._close()
-            s.phase = CLOSED
             return
         buffer = self._buffer
         buffer.micro_step_done(self._listing)
@@ -370,15 +382,18 @@ class Accumulate(torch.optim.Optimizer):
         """Form the window's gradient in ``.grad`` (divided once, over all ranks); item counts
         given as tensors are read here."""
         s = self._state
-        if isinstance(s.items, Tensor):
-            s.items = _checks.check_count(
-                s.items.item(), "Accumulate: the window's items", "its summed loss"
-            )
+        if isinstance(s.items, Tensor):  # one host sync: the total and the smallest count
+            low = s.items if self._low is None else self._low
+            total, low = torch.stack((s.items.double(), low.double())).tolist()
+            covers = "its summed loss"
+            _checks.check_count(low, "Accumulate: a micro-step's items", covers)
+            s.items = _checks.check_count(total, "Accumulate: the window's items", covers)
         if (problem := self._guard.wiped()) is not None:
             self._break(_WIPED)
             raise RuntimeError(problem)
         self._sync.settle(s, self._rules)
         self._sync.close(self._buffer, self._params(), self._rules.divisor(s, self.world_size))
+        s.phase = CLOSED  # formed: window hooks see it closed, and a hook that raises leaves it
         for hook in self._window_hooks.values():
             hook(self)
 
@@ -508,9 +523,17 @@ class Accumulate(torch.optim.Optimizer):
             assert scale is not None
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
             scaler._per_optimizer_states[id(self)]["found_inf_per_device"][scale.device] = found
+        last, self._last_found = self._last_found, None
+        if s.phase is CLOSED and last is not None and scaler is not None:
+            # the scaler backs off for the closing pass's own inf/NaN, as at every micro-step
+            flags = scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values()
+            for i, flag in enumerate(flags):
+                flag.copy_(last if i == 0 else torch.zeros_like(flag))
+            found = last.to(found.device)
         if scaler is not None and isinstance(self._sync, GradSync):
             found = self._sync.agreed_found_inf(scaler, self, found)
         if s.phase is CLOSED:
+            self._gated = scaler is None  # PyTorch's recipe: scaled between boundaries
             return self._apply((grad_scale, found))
         if s.phase is not OPEN or s.stepped:
             return self._step_refusal()
@@ -598,6 +621,7 @@ class Accumulate(torch.optim.Optimizer):
         s = self._state
         self._guard.forget()
         self._buffer.reset()
+        self._last_found = self._low = None
         params, multi = self._params(), distributed()
         if isinstance(self._sync, LocalSync):  # a DDP model not given to the wrapper syncs
             self._sync.synced = multi
@@ -622,13 +646,25 @@ class Accumulate(torch.optim.Optimizer):
         if problem is not None:
             raise ValueError(problem)
 
-    def flush(self) -> bool:
+    def flush(self, scaler: torch.amp.GradScaler | None = None) -> bool:
         """Apply the open, partial window now (its own exact mean; an epoch's end), then clear
-        the gradients; returns whether it updated (:attr:`did_update`). RuntimeError: an
-        earlier call or pass failed part-way (``discard()``); FSDP2 holds the window unreduced
-        (see ``reduce_every_micro_step``)."""
+        the gradients; returns whether it updated (:attr:`did_update`). ``scaler``: the
+        ``GradScaler`` of PyTorch's gated AMP recipe (``scaler.step(opt)`` at boundaries only,
+        no ``scaler=``): the window is applied through ``scaler.step(opt); scaler.update()``.
+
+        Raises:
+            RuntimeError: an earlier call or pass failed part-way (``discard()``); FSDP2 holds
+                the window unreduced (see ``reduce_every_micro_step``); the loop steps through a
+                ``GradScaler`` at its boundaries and ``scaler`` was not given (nothing changed).
+            TypeError: ``scaler`` is not a ``GradScaler``."""
         s = self._state
         self.check_usable("flush")
+        amp = _checks.check_scaler(scaler) is not None and scaler.is_enabled()  # type: ignore[union-attr]
+        if self._gated and not amp and self.scaler is None and s.micro_step:
+            raise RuntimeError(
+                "Accumulate.flush: this loop steps through a GradScaler at its boundaries, so the "
+                "open window's gradient is still scaled; call opt.flush(scaler). Nothing changed."
+            )
         self._sync.release(s, flushing=True)
         if s.phase is OPEN and not s.micro_step:
             s.did_update = False
@@ -636,7 +672,11 @@ class Accumulate(torch.optim.Optimizer):
         if s.phase is OPEN:
             s.phase, s.broken = BROKEN, _FLUSHING
             self._close()
-            s.phase = CLOSED
+        if amp:
+            scaler.step(self)  # type: ignore[union-attr]
+            scaler.update()  # type: ignore[union-attr]
+            self.optimizer.zero_grad(set_to_none=True)
+            return s.did_update
         scale = self._buffer.loss_scale()
         if scale is not None:  # the closed window is in scaled units
             found = _grads.unscale_(_grads.grads_of(self._params()), scale)
@@ -746,6 +786,8 @@ class Accumulate(torch.optim.Optimizer):
             )
         elif phase is HELD:
             why = "a micro-step waits for opt.commit() or opt.drop_micro_step()."
+        elif s.broken is _IN_HOOK:
+            why = f"{_IN_HOOK}."
         else:
             why = f"{s.broken}; call opt.discard() (or load_state_dict()) first."
         raise RuntimeError(f"Accumulate.{api}: {why} {api}() changed nothing.")

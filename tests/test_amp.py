@@ -76,7 +76,8 @@ def test_8_amp_inf_skips_the_window_then_training_resumes(poison: int) -> None:
     scales = amp_window(acc, sc, model, x, y, [2, 2, 2, 2], poison=poison)
     assert not acc.did_update and acc.updates == 0 and acc.micro_step == 0
     assert_same_params(model, before, rtol=0, atol=0)
-    assert scales[poison] == 2.0**7  # backed off on the bad micro-step
+    # backed off once, on the bad micro-step (not again at the boundary of the window holding it)
+    assert scales == [2.0**8] * poison + [2.0**7] * (4 - poison)
     assert all(p.grad is None for p in model.parameters())
     x2, y2 = data(32, 8)
     full_batch_step(ref, ref_opt, x2, y2)
@@ -102,6 +103,39 @@ def test_8_amp_gated_pattern_of_the_pytorch_amp_notes() -> None:
                 acc.zero_grad()
         assert acc.did_update
         assert_same_params(model, ref)
+
+
+def test_8_amp_gated_recipe_flushes_its_last_partial_window_through_the_scaler() -> None:
+    """PyTorch's recipe without scaler=: flush(scaler) applies a short last window unscaled
+    (the reference divides it by its own micro-steps); flush() alone is refused there."""
+    ref, model = twins(mlp(35))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_sc, sc = scaler(), scaler()
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=3)
+    x, y = data(35, 10)
+    xs, ys = x.split(2), y.split(2)  # 5 micro-batches: a window of 3, then one of 2
+    for start, stop in ((0, 3), (3, 5)):
+        for xb, yb in zip(xs[start:stop], ys[start:stop]):
+            ref_sc.scale(mse_sum(ref, xb, yb) / (2 * (stop - start))).backward()
+        ref_sc.step(ref_opt)
+        ref_sc.update()
+        ref_opt.zero_grad()
+    for xb, yb in zip(xs, ys):
+        sc.scale(mse_sum(model, xb, yb) / 2).backward()
+        if acc.will_update:
+            sc.step(acc)
+            sc.update()
+            acc.zero_grad()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call opt.flush\(scaler\)"):
+        acc.flush()
+    assert acc.micro_step == 2 and all(
+        torch.equal(p.grad, g) for p, g in zip(model.parameters(), before)
+    )
+    assert acc.flush(sc) and acc.updates == 2
+    assert sc.get_scale() == ref_sc.get_scale()
+    assert all(p.grad is None for p in model.parameters())
+    assert_same_params(model, ref)
 
 
 def test_8_amp_user_unscale_and_clip_at_boundary_sees_window_gradient() -> None:

@@ -27,6 +27,7 @@ from helpers import (
 )
 from torch import nn
 
+import accumopt
 from accumopt import Accumulate
 
 
@@ -70,6 +71,34 @@ def test_1_counting_grad_holds_window_mean_before_step() -> None:
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
         acc.zero_grad()
     assert acc.updates == 1 and acc.micro_step == 0
+
+
+def test_1_counting_hooks_see_the_wrapper_as_it_is() -> None:
+    """A window hook runs on the closed window (will_update, state_dict work there); a
+    micro-step hook that calls into the wrapper is told a hook is running, not that a call
+    failed, and the run goes on exact."""
+    ref, model = twins(mlp(5))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    seen: list[object] = []
+
+    def on_micro_step(opt: Accumulate, items: object, synced: bool) -> None:
+        with pytest.raises(RuntimeError, match="a micro-step hook is running") as err:
+            opt.state_dict()
+        assert "discard" not in str(err.value)
+        seen.append(opt.micro_step)
+
+    def on_window(opt: Accumulate) -> None:
+        assert opt.will_update and opt.phase is accumopt.Phase.CLOSED
+        seen.append(opt.state_dict()["param_groups"][0] is not None)
+
+    acc.register_micro_step_hook(on_micro_step)
+    acc.register_window_hook(on_window)
+    x, y = data(5, 8)
+    full_batch_step(ref, ref_opt, x, y)
+    run_window(acc, model, x, y, [3, 5])
+    assert seen == [1, 2, True] and acc.updates == 1
+    assert_same_params(model, ref)
 
 
 def test_1_counting_hand_computed_sgd_update() -> None:
@@ -601,3 +630,18 @@ def test_10_sparse_sums_replaced_by_create_graph_accumulation_are_not_refused() 
             acc.step()
     assert acc.updates == 1
     assert_same_params(model, ref)
+
+
+def test_2_weighting_a_negative_tensor_count_is_refused_at_the_close() -> None:
+    """Counts given as tensors are read once, at the close: a negative one is refused there
+    even where the window's total is a valid count, before any update."""
+    model = mlp(6)
+    before = copy.deepcopy(model)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every=2)
+    x, y = data(6, 8)
+    acc.backward(mse_sum(model, x[:4], y[:4]), items=torch.tensor(32))
+    acc.step()
+    with pytest.raises(ValueError, match=r"a micro-step's items=-16"):
+        acc.backward(mse_sum(model, x[4:], y[4:]), items=torch.tensor(-16))
+    assert acc.updates == 0
+    assert_same_params(model, before, rtol=0, atol=0)
