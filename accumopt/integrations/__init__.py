@@ -1,4 +1,2 @@
-"""accumopt inside the frameworks people train with: thin, optional adapters (``lightning``,
-``hf_trainer``, ``accelerate``). Each imports its framework only when imported itself; none is a
-dependency of accumopt (``pip install "accumopt[lightning]"``, ``[transformers]``,
-``[accelerate]``)."""
+"""Optional adapters (README "Using accumopt with your framework"): ``lightning``, ``hf_trainer``,
+``accelerate``; each imports its framework only when imported itself."""

@@ -1,11 +1,6 @@
-"""Hugging Face Accelerate with accumopt (``examples/accelerate_digits.py``): call
-:func:`prepare` where you would call ``accelerator.prepare`` (``gradient_accumulation_steps=1``),
-then per batch ``opt.next_items(n)``, ``accelerator.backward(loss_sum)``, ``optimizer.step()``
-(the inner optimizer steps at the boundary only) and ``sched.step()`` (on real updates only);
-``opt.flush()`` applies the short last window. Each rank saves its own window beside
-``optimizer.bin`` (``accumopt_window_{i}_rank{r}.pt``), so ``load_state`` resumes mid-window
-exactly.
-"""
+"""Hugging Face Accelerate with accumopt: call :func:`prepare` where you would call
+``accelerator.prepare`` (README "Accelerate", ``examples/accelerate_digits.py``). Each rank saves
+its window beside ``optimizer.bin`` (``accumopt_window_{i}_rank{r}.pt``) for ``load_state``."""
 
 from __future__ import annotations
 
@@ -30,9 +25,8 @@ _UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "FSDP", "XLA")
 
 def _own_accumulation(steps: int, where: str) -> str:
     return (
-        f"{_WHERE} ({where}): the Accelerator accumulates itself (gradient_accumulation_steps="
-        f"{steps}) and divides every loss by {steps} on top of the wrapper's window: each "
-        f"update would be 1/{steps} of the right one. Expected gradient_accumulation_steps=1 "
+        f"{_WHERE} ({where}): the Accelerator accumulates (gradient_accumulation_steps={steps}): "
+        f"each update would be 1/{steps} of the right one. Expected gradient_accumulation_steps=1 "
         f"(no plugin or environment variable) and Accumulate(opt, every={steps})."
     )
 
@@ -54,8 +48,7 @@ class AcceleratedAccumulate(AcceleratedOptimizer):  # type: ignore[misc]
         if self.accelerator_state.num_processes > 1 and not is_distributed(self.optimizer.model):
             raise RuntimeError(
                 f"{_WHERE} (optimizer.step()): several processes, but the wrapper was never told "
-                f"the DDP model; expected the model to go through {_WHERE}.prepare too. Nothing "
-                "was stepped."
+                f"the DDP model; expected it to go through {_WHERE}.prepare. Nothing was stepped."
             )
         return super().step(closure)
 
@@ -65,8 +58,7 @@ class AcceleratedAccumulate(AcceleratedOptimizer):  # type: ignore[misc]
         return bool(self._is_overflow) or not self.optimizer.did_update
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapper, within ``load_state`` with this rank's window (RuntimeError:
-        its file missing or of another save; else as ``Accumulate.load_state_dict``)."""
+        """Load, in ``load_state`` with this rank's window (RuntimeError: missing or stale)."""
         own, self._rank_window = self._rank_window, None
         if own is not None:
             state_dict = _with_rank_window(state_dict, *own)
@@ -75,11 +67,9 @@ class AcceleratedAccumulate(AcceleratedOptimizer):  # type: ignore[misc]
 
 def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None = None) -> Any:
     """``accelerator.prepare(*objects)`` with every :class:`~accumopt.Accumulate` (not its inner
-    optimizer) wired in, in one call or several; each comes back inside an
-    :class:`AcceleratedAccumulate` (keep the wrapper for ``next_items`` and ``flush``) and
-    learns the prepared DDP model (one all-reduce per update, items summed over the ranks).
-    From then on ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` refuse (RuntimeError)
-    parameters of an open window.
+    optimizer) wired in, in one call or several: each comes back inside an
+    :class:`AcceleratedAccumulate` and learns the prepared DDP model. From then on
+    ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` refuse (RuntimeError) an open window.
 
     Raises:
         ValueError: ``gradient_accumulation_steps != 1``; DeepSpeed, FSDP, Megatron-LM or XLA;
@@ -90,24 +80,19 @@ def prepare(accelerator: Any, *objects: Any, device_placement: list[bool] | None
     wrappers = [o for o in objects if isinstance(o, Accumulate)]
     if wrappers or any(isinstance(o.optimizer, Accumulate) for o in accelerator._optimizers):
         _check_setup(accelerator, wrappers)
-    places: list[Any] = [None] * len(objects) if device_placement is None else device_placement
+    given = [None] * len(objects) if device_placement is None else device_placement
+    places = [accelerator.device_placement if p is None else p for p in given]
     if len(places) == len(objects):  # else accelerator.prepare raises
         objects = tuple(
-            AcceleratedAccumulate(
-                o, accelerator.device_placement if p is None else p, accelerator.scaler
-            )
-            if isinstance(o, Accumulate)
-            else o
+            AcceleratedAccumulate(o, p, accelerator.scaler) if isinstance(o, Accumulate) else o
             for o, p in zip(objects, places)
         )
     result = accelerator.prepare(*objects, device_placement=device_placement)
     if _MODELS not in accelerator.__dict__:
         setattr(accelerator, _MODELS, weakref.WeakSet())
         _install_hooks(accelerator)
-    models = getattr(accelerator, _MODELS)
-    models.update(
-        o for o in (result if len(objects) > 1 else (result,)) if isinstance(o, nn.Module)
-    )
+    models, out = getattr(accelerator, _MODELS), result if len(objects) > 1 else (result,)
+    models.update(o for o in out if isinstance(o, nn.Module))
     for opt in _wrappers(accelerator):  # each gets the prepared model holding its parameters
         mine = {id(p) for g in opt.param_groups for p in g["params"]}
         owners = [m for m in models if any(id(p) in mine for p in m.parameters())]
@@ -149,8 +134,7 @@ def _wrappers(accelerator: Any) -> list[Accumulate]:
 
 
 def _install_hooks(accelerator: Any) -> None:
-    """Per-rank window files beside ``optimizer.bin`` (the main process's state only), and
-    clipping that refuses a partial window."""
+    """Per-rank window files beside ``optimizer.bin`` (rank 0's), and clipping that refuses."""
 
     def files(folder: str) -> Iterable[tuple[AcceleratedAccumulate, str]]:
         rank = accelerator.process_index
@@ -169,10 +153,26 @@ def _install_hooks(accelerator: Any) -> None:
             saved = torch.load(path, map_location="cpu", weights_only=True) if found else None
             prepared._rank_window = (saved, path)
 
+    def guarded(clip: Callable[..., Any]) -> Callable[..., Any]:  # refuses an open window
+        def run(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            ids = {id(p) for p in params}
+            for opt in _wrappers(accelerator):
+                window = opt.micro_step and not opt.will_update
+                if window and any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+                    raise RuntimeError(
+                        f"{_WHERE}: accelerator.{clip.__name__} on micro-step {opt.micro_step} "
+                        "of a window (.grad holds a partial sum); expected max_grad_norm=, or "
+                        "`if opt.will_update:`. Nothing was clipped."
+                    )
+            return clip(params, *args, **kwargs)
+
+        return run
+
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
     for name in ("clip_grad_norm_", "clip_grad_value_"):
-        setattr(accelerator, name, _guarded(accelerator, getattr(accelerator, name)))
+        setattr(accelerator, name, guarded(getattr(accelerator, name)))
 
 
 def _with_rank_window(state: dict[str, Any], saved: dict[str, Any] | None, path: str) -> Any:
@@ -195,22 +195,3 @@ def _with_rank_window(state: dict[str, Any], saved: dict[str, Any] | None, path:
     groups = [dict(g) for g in state["param_groups"]]
     groups[0].update(saved)
     return {**state, "param_groups": groups}
-
-
-def _guarded(accelerator: Any, clip: Callable[..., Any]) -> Callable[..., Any]:
-    """``accelerator.clip_grad_*_`` refusing parameters of an open window (a partial sum)."""
-
-    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        for opt in _wrappers(accelerator):
-            open_window = opt.micro_step and not opt.will_update
-            if open_window and any(id(p) in ids for g in opt.param_groups for p in g["params"]):
-                raise RuntimeError(
-                    f"{_WHERE}: accelerator.{clip.__name__} on micro-step {opt.micro_step} of a "
-                    "window (.grad holds a partial sum); expected max_grad_norm=, or `if "
-                    "opt.will_update:`. Nothing was clipped."
-                )
-        return clip(params, *args, **kwargs)
-
-    return guarded

@@ -1,9 +1,5 @@
-"""The Hugging Face ``transformers.Trainer`` with accumopt (``examples/hf_trainer_charlm.py``):
-``AccumulateTrainer(..., optimizers=(Accumulate(opt, every=8), None)).train()`` updates once per
-8 micro-batches (the Trainer's batches), with the mean over all their items; ``global_step``,
-logging, saving and the LR schedule count updates. A plain ``Trainer`` cannot drive an
-``Accumulate``: it clears the gradients after each step and divides each loss by its own
-``gradient_accumulation_steps``."""
+"""The Hugging Face ``transformers.Trainer`` with accumopt: :class:`AccumulateTrainer` (README
+"Hugging Face Trainer", ``examples/hf_trainer_charlm.py``)."""
 
 from __future__ import annotations
 
@@ -31,14 +27,12 @@ try:
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        'accumopt.integrations.hf_trainer needs: pip install "accumopt[transformers]".'
-    ) from err
+    msg = 'accumopt.integrations.hf_trainer needs: pip install "accumopt[transformers]".'
+    raise ImportError(msg) from err
 
 __all__ = ["WINDOW_FILE", "AccumulateTrainer", "check_trainer_hooks"]
 WINDOW_FILE = "accumopt_window_rank{rank}.pt"
-"""A rank's window file: a checkpoint written mid-window holds each rank's ``opt.state_dict()``
-in one beside the Trainer's ``optimizer.pt`` (the main process's alone)."""
+"""Each rank's ``opt.state_dict()`` beside a mid-window checkpoint's ``optimizer.pt`` (rank 0's)."""
 _LOG = logging.getLogger("accumopt")
 _HOOKS = (  # noqa: SIM905
     "training_step compute_loss get_batch_samples create_optimizer _prepare_for_training "
@@ -54,8 +48,7 @@ _OWN_LOSS = re.compile(r"\bloss\w*\s*=|cross_entropy|CrossEntropyLoss|nll_loss|N
 
 
 def check_trainer_hooks(trainer_cls: type) -> None:
-    """Raise ImportError naming the methods :class:`AccumulateTrainer` overrides or calls that
-    ``trainer_cls`` lacks (another transformers than 5.x)."""
+    """ImportError naming the methods :class:`AccumulateTrainer` uses that ``trainer_cls`` lacks."""
     missing = [name for name in _HOOKS if not callable(getattr(trainer_cls, name, None))]
     if missing:
         raise ImportError(
@@ -68,22 +61,18 @@ check_trainer_hooks(Trainer)
 
 
 class AccumulateTrainer(Trainer):
-    """``transformers.Trainer`` stepping an :class:`~accumopt.Accumulate` once per window (an
-    epoch's short last window applied too).
+    """``transformers.Trainer`` stepping an :class:`~accumopt.Accumulate` once per window, the
+    epoch's short last one too (README "Hugging Face Trainer").
 
     Args: as ``Trainer``'s; ``optimizers=(opt, scheduler)``, ``opt`` an ``Accumulate(...,
-    every=k)``, or a torch optimizer or None (the Trainer's) wrapped with ``every=
-    args.gradient_accumulation_steps``. ``shift_labels``: whether the loss predicts
-    ``labels[..., 1:]`` (:meth:`count_items`); None: read from the model. ``args`` becomes a
-    copy with ``gradient_accumulation_steps = k``; the wrapper clips to ``args.max_grad_norm``
-    unless it has its own norm. The logged ``grad_norm`` is the window's pre-clip norm, in the
-    parameters' dtype. A mid-window checkpoint keeps each rank's window (:data:`WINDOW_FILE`)
-    and resumes bit for bit.
+    every=k)`` (``args`` becomes a copy with ``gradient_accumulation_steps=k``), or a torch
+    optimizer or None wrapped with ``every=args.gradient_accumulation_steps``.
+    ``shift_labels``: whether the loss predicts ``labels[..., 1:]``; None: read from the model.
 
-    Raises: TypeError (not an optimizer); ValueError (a window not ``every=<int>``, another
+    Raises: TypeError (not an optimizer); ValueError (not ``every=<int>``, another
     ``gradient_accumulation_steps``, two clipping norms); RuntimeError at ``train()``
-    (:meth:`check_supported`, ``gradient_accumulation_steps`` changed, an update from inside
-    the Trainer's window, a mid-window checkpoint without this rank's window file or from
+    (:meth:`check_supported`, ``gradient_accumulation_steps`` changed, an update inside the
+    Trainer's window, a mid-window checkpoint without this rank's :data:`WINDOW_FILE` or from
     another save).
     """
 
@@ -116,10 +105,8 @@ class AccumulateTrainer(Trainer):
             group = opt.state_dict()["param_groups"][0]
             packed = next(v for k, v in group.items() if str(k).startswith("accumopt"))
             if not isinstance(torch.load(io.BytesIO(packed), weights_only=True)["every"], int):
-                raise ValueError(
-                    f"AccumulateTrainer: {opt!r} has a window in items or a schedule; expected "
-                    "every=<int>: the Trainer cuts each window's micro-batches in advance."
-                )
+                msg = f"{opt!r} has a window in items or a schedule; expected every=<int>."
+                raise ValueError(f"AccumulateTrainer: {msg}")
             self._checked = opt
         every = int(opt.every or 0)
         if steps not in (1, every):
@@ -150,9 +137,8 @@ class AccumulateTrainer(Trainer):
         self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     def check_supported(self) -> None:
-        """Run by :meth:`train`: RuntimeError for what the wrapper cannot own or weight (a loss
-        that is no mean over the labels :meth:`count_items` counts), UserWarning for a loss of
-        each micro-batch as a whole (a MoE router's)."""
+        """Run by :meth:`train`: RuntimeError for what the wrapper cannot own or weight,
+        UserWarning for a loss of each micro-batch as a whole (a MoE router's)."""
         model, own_loss = self.accelerator.unwrap_model(self.model), self._own_loss()
         own_count = type(self).count_items is not AccumulateTrainer.count_items
         if (refusal := _loss_refusal(model, own_count, own_loss)) is not None:
@@ -165,13 +151,9 @@ class AccumulateTrainer(Trainer):
         if router and not hasattr(config, "router_aux_loss_coef"):
             aux.append("output_router_logits=True")
         if aux and not own_loss:
-            warnings.warn(
-                f"AccumulateTrainer: {type(model).__name__} adds an auxiliary loss of each "
-                f"micro-batch as a whole ({', '.join(aux)}), so no accumulation gives the "
-                "full-batch update. Set it to 0 for exact accumulation.",
-                UserWarning,
-                stacklevel=3,
-            )
+            msg = f"{type(model).__name__} adds an auxiliary loss of each micro-batch as a whole"
+            end = "so no accumulation gives the full-batch update. Set it to 0 to be exact."
+            warnings.warn(f"AccumulateTrainer: {msg} ({', '.join(aux)}), {end}", stacklevel=3)
         problems = {
             "DeepSpeed/FSDP": self.is_deepspeed_enabled or self.is_fsdp_enabled,
             "fp16 with a GradScaler (use bf16)": getattr(self.accelerator, "scaler", None),
@@ -186,8 +168,7 @@ class AccumulateTrainer(Trainer):
             )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; without ``resume_from_checkpoint`` an open window is dropped (with
-        a warning), as the Trainer drops a partial accumulation."""
+        """``Trainer.train``; without ``resume_from_checkpoint`` an open window is dropped."""
         self.check_supported()
         self._skip, self._reload = 0, None
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
@@ -217,8 +198,7 @@ class AccumulateTrainer(Trainer):
         if opt.will_update and not self._stepping:
             raise RuntimeError(
                 "AccumulateTrainer: the wrapper was about to update inside the Trainer's window "
-                "(stepped in training_step, e.g. by a MicroBatchRunner); nothing was applied. "
-                "Let the Trainer cut and step the micro-batches."
+                "(a MicroBatchRunner in training_step?); nothing was applied. Let the Trainer step."
             )
 
     def _adopt(self, model: nn.Module) -> None:
@@ -244,10 +224,9 @@ class AccumulateTrainer(Trainer):
         return batches, None
 
     def count_items(self, inputs: Mapping[str, Any]) -> int:
-        """The items the micro-batch's mean loss averages over (its weight): the labels other
-        than -100 in ``shift_labels``, else in ``labels`` (``[..., 1:]`` where the loss shifts);
-        else the rows. Override it for other losses. ValueError: no tensor; a label shift the
-        model does not tell (pass ``shift_labels``)."""
+        """The items the micro-batch's mean loss averages over: the labels other than -100 in
+        ``shift_labels``, else in ``labels`` (``[..., 1:]`` where the loss shifts); else the rows.
+        Override it for other losses. ValueError: no tensor; a label shift the model hides."""
         labels = inputs.get("shift_labels")
         if labels is None and inputs.get("labels") is not None:
             labels = inputs["labels"][..., 1:] if self._shifts() else inputs["labels"]
@@ -273,8 +252,7 @@ class AccumulateTrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Tensor:
-        """One micro-step: the mean loss times its items; returns (for the Trainer's log) this
-        rank's share of the window's mean loss."""
+        """One micro-step: the mean loss times its items; returns this rank's share (logged)."""
         self.optimizer.train()  # type: ignore[union-attr]  # schedule-free: its training point
         if self._skip > 0:  # held by the window a resumed checkpoint brought back
             self._skip -= 1
@@ -293,8 +271,7 @@ class AccumulateTrainer(Trainer):
                 loss_sum = sum((t.nan_to_num().sum() * 0.0 for t in found), found[0].new_zeros(()))
         opt.next_items(n)
         self.accelerator.backward(loss_sum)
-        shown: Tensor = loss_sum.detach() / max(self._window_items, float(n), 1.0)
-        return shown
+        return loss_sum.detach() / max(self._window_items, float(n), 1.0)
 
     def _clip_grad_norm(self, model: nn.Module) -> None:  # the wrapper clips, at the update
         return None
@@ -306,8 +283,7 @@ class AccumulateTrainer(Trainer):
         return self._norm  # filled by _Boundary.step: the window's pre-clip norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The Trainer's save, then this rank's window file if a window is open (its old file
-        removed first: a save that dies half-way leaves none stale)."""
+        """The Trainer's save, then this rank's window file if a window is open (old removed)."""
         opt = self.accumulate
         path = os.path.join(output_dir, WINDOW_FILE.format(rank=self.args.process_index))
         if os.path.isfile(path):
@@ -375,18 +351,15 @@ def _loss_refusal(model: Any, own_count: bool, own_loss: bool) -> str | None:
         return None
     return (
         f"AccumulateTrainer: the model's loss ({type(model).__name__}, loss_type {loss_type!r}) "
-        "is no mean over its labels other than -100: weighting by them would be silently wrong "
-        f"(expected a loss type among {', '.join(sorted(_MEAN_OVER_LABELS))}). Override "
-        "count_items to return what the loss averages over, or pass a compute_loss_func."
+        "is no mean over its labels other than -100, so weighting by them would be silently "
+        "wrong. Override count_items to return what it averages over, or pass compute_loss_func."
     )
 
 
 def _loss_shifts(model: Any, trainer_guess: bool, own_loss: bool, smoother: bool = False) -> bool:
-    """Whether the loss of ``model`` (unwrapped; a PEFT wrapper's inner model read) predicts
-    ``labels[..., 1:]``: the label smoother's rule (a causal-LM class name); never for an
-    encoder-decoder; for the user's loss, the Trainer's guess or a causal-LM name; for
-    ``self.loss_function``, its ``loss_type`` (None: causal LM). ValueError: loss code of the
-    model's own under a causal-LM name."""
+    """Whether the loss of ``model`` (unwrapped; a PEFT model's inner one) predicts
+    ``labels[..., 1:]`` (the rules: README "Hugging Face Trainer"). ValueError: loss code of
+    the model's own under a causal-LM name."""
     if trainer_utils._is_peft_model(model):  # type: ignore[no-untyped-call]
         model = model.base_model.model
     if smoother:
@@ -411,10 +384,7 @@ def _loss_shifts(model: Any, trainer_guess: bool, own_loss: bool, smoother: bool
 @functools.cache
 def _through_loss_function(cls: Any) -> bool:
     """Whether ``cls.forward`` calls ``self.loss_function`` (maybe through ``super().forward``)."""
-    for klass in cls.__mro__:
-        forward = vars(klass).get("forward")
-        if forward is None:
-            continue
+    for forward in filter(None, [vars(klass).get("forward") for klass in cls.__mro__]):
         try:
             source = inspect.getsource(forward)
         except (OSError, TypeError):
@@ -429,10 +399,10 @@ def _through_loss_function(cls: Any) -> bool:
 def _resume_window(
     opt: Accumulate, checkpoint: str, rank: int, device: Any, load_main: Callable[[], None]
 ) -> Any:
-    """Run ``load_main`` (the Trainer's load of ``optimizer.pt``, its window left out), then
-    return this rank's window file if saved at the same ``checkpoint_position``, else None
-    (logged if stale or unmatched). RuntimeError on every rank: a rank's file is missing beside
-    a mid-window ``optimizer.pt`` or comes from another save."""
+    """Run ``load_main`` (loads ``optimizer.pt`` without its window), then return this rank's
+    window file if saved at the same ``checkpoint_position``, else None (logged). RuntimeError
+    on every rank: a rank's file missing beside a mid-window ``optimizer.pt``, or from another
+    save."""
     seen: list[tuple[int, int]] = []
 
     def without_window(_: Any, state: Any) -> Any:  # optimizer.pt mid-window: its window dropped
@@ -461,13 +431,9 @@ def _resume_window(
         if (mine := checkpoint_position(saved)) != main:
             saved = None
             if main[1] == 0:
-                stale = "it is left over from an earlier save (its checkpoint is at an update)"
-                _LOG.warning(ignored, path, stale)
+                _LOG.warning(ignored, path, "it is left over from an earlier save (at an update)")
             else:
-                problem = (
-                    f"{path} and optimizer.pt come from different saves (at (updates, "
-                    f"micro-steps) {mine} and {main})"
-                )
+                problem = f"{path} ({mine}) and optimizer.pt ({main}) come from different saves"
     refused, _ = opt.sum_over_ranks(problem is not None, what="AccumulateTrainer's resume")
     if problem is None and refused:
         problem = f"another rank refused the window files of {checkpoint} (its error says why)"

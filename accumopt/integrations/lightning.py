@@ -1,11 +1,7 @@
-"""Lightning (``lightning.pytorch``) with accumopt: one callback, no change to the training loop
-(``examples/lightning_digits.py``). Return an :class:`~accumopt.Accumulate` from
-``configure_optimizers``, add :class:`AccumulateCallback` to the ``Trainer`` (keep
-``accumulate_grad_batches=1``) and return ``loss_over_items(self, loss_sum, len(y))`` from each
-``training_step``, one micro-step. Lightning internals used (2.6): the epoch loop's
+"""Lightning with accumopt: :class:`AccumulateCallback`, :func:`loss_over_items` (README
+"Lightning", ``examples/lightning_digits.py``). Lightning internals used (2.6): the epoch loop's
 ``_should_accumulate`` and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
-per-optimizer class and step callbacks, the precision plugin's ``_after_closure``.
-"""
+per-optimizer class and step callbacks, the precision plugin's ``_after_closure``."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ def loss_over_items(
 ) -> Tensor:
     """The loss to backward for a micro-batch whose 0-dim summed loss covers ``items`` items
     (this rank's): with an ``Accumulate`` (``optimizer``, where the module has several)
-    ``opt.next_items(items)`` and ``loss_sum``, so the window's gradient is the mean over all
-    its items; else the mean. ValueError: several optimizers, no ``optimizer``; bad
-    ``items``. RuntimeError: no :class:`AccumulateCallback`; ``next_items`` refused."""
+    ``opt.next_items(items)`` and ``loss_sum``; else the mean. ValueError: several optimizers,
+    no ``optimizer``; bad ``items``. RuntimeError: no callback; ``next_items`` refused."""
     if optimizer is None:
         optimizer = module.optimizers(use_pl_optimizer=False)
         if isinstance(optimizer, list):
@@ -53,12 +48,9 @@ def loss_over_items(
 
 class AccumulateCallback(pl.Callback):
     """Make a ``Trainer`` step every :class:`~accumopt.Accumulate` of ``configure_optimizers``
-    once per window, exactly: only the batch that closes a window is a Lightning optimizer step
-    (``global_step``, schedulers, ``on_before_optimizer_step`` and ``gradient_clip_val`` see
-    updates, on the window's mean); the epoch's short last window is applied at its last batch
-    as one; DDP syncs once per update. ``self.optimizers()`` is the wrapper for every attribute
-    but Lightning's own; manual optimization: one ``opt.step()`` per ``training_step``. After a
-    fit the wrappers stop counting (returned again, they go on where they stood).
+    once per window (README "Lightning"): only a batch that closes a window, or the epoch's
+    last, is a Lightning optimizer step. ``self.optimizers()`` is the wrapper for every
+    attribute but Lightning's own. After a fit the wrappers stop counting.
 
     Raises (from ``trainer.fit``, before any update): ValueError: no ``Accumulate``;
     ``accumulate_grad_batches != 1`` (also checked every batch); a strategy that accumulates
@@ -120,9 +112,8 @@ class AccumulateCallback(pl.Callback):
         self._undo.append((obj, name))
 
     def _should_accumulate(self, pl_module: pl.LightningModule) -> bool:
-        """Lightning's "no optimizer step for this batch?", asked before it in automatic
-        optimization (no if its pass closes the window or it is the epoch's last; kept for the
-        batch), after it in manual optimization (whether a window is open)."""
+        """Lightning's "no optimizer step for this batch?": in automatic optimization asked
+        before the pass (kept for the batch), in manual after it (is a window open?)."""
         assert self._trainer is not None
         _check_no_lightning_accumulation(self._trainer)
         if not pl_module.automatic_optimization:
@@ -135,8 +126,7 @@ class AccumulateCallback(pl.Callback):
         return self._decision[1]
 
     def _step(self, lopt: LightningOptimizer, closure: Callable[[], Any] | None, **kw: Any) -> Any:
-        """``LightningOptimizer.step``: Lightning's own step only for a micro-step that updates;
-        the short last window applied at the epoch's last batch."""
+        """``LightningOptimizer.step``: Lightning's own only for a micro-step that updates."""
         acc: Accumulate = lopt.optimizer  # type: ignore[assignment]
         if self._trainer is None:  # a proxy kept from an earlier fit
             return acc.step(closure)
@@ -163,8 +153,7 @@ class AccumulateCallback(pl.Callback):
         return value
 
     def _flush(self, lopt: LightningOptimizer) -> bool:
-        """``opt.flush()`` as a Lightning optimizer step: counted, with the hooks and clipping
-        on the window's mean just before the inner step (after ``max_grad_norm``'s)."""
+        """``opt.flush()`` as a Lightning optimizer step (counted; hooks and clipping run)."""
         acc: Accumulate = lopt.optimizer  # type: ignore[assignment]
         if self._trainer is None or not acc.micro_step:
             return acc.flush()
@@ -188,8 +177,8 @@ def _next_closes(acc: Accumulate) -> bool:
 
 
 def _keep_out_of_grad(acc: Any) -> None:
-    """Move an open window out of the ``.grad`` Lightning zeroes at a fit's start and after
-    restoring a checkpoint, into the wrapper's buffer (RuntimeError where it cannot)."""
+    """Move an open window out of the ``.grad`` Lightning zeroes at a fit's start, into the
+    wrapper's buffer (RuntimeError where it cannot)."""
     try:
         if acc.micro_step:
             acc.enable_rollback()
@@ -199,8 +188,7 @@ def _keep_out_of_grad(acc: Any) -> None:
 
 def _route_to_wrapper(lopt: LightningOptimizer, callback: AccumulateCallback) -> None:
     """Make ``self.optimizers()`` the wrapper for every attribute but Lightning's own (its
-    per-optimizer class subclasses the wrapper's: a wrapper method would run on the proxy);
-    ``step`` and ``flush`` go to the callback."""
+    per-optimizer class); ``step`` and ``flush`` go to the callback."""
     cls, get = type(lopt), object.__getattribute__
 
     def own(self: LightningOptimizer, name: str) -> bool:
@@ -225,9 +213,8 @@ def _check_no_lightning_accumulation(trainer: pl.Trainer) -> None:
     steps = trainer.accumulate_grad_batches
     if steps != 1:
         raise ValueError(
-            f"AccumulateCallback: Trainer(accumulate_grad_batches={steps}) divides every loss "
-            f"by {steps} on top of the wrapper's window: each update would be 1/{steps} of the "
-            "right one. Expected accumulate_grad_batches=1 (no GradientAccumulationScheduler)."
+            f"AccumulateCallback: Trainer(accumulate_grad_batches={steps}) makes each update "
+            f"1/{steps} of the right one; expected 1 (and no GradientAccumulationScheduler)."
         )
 
 
