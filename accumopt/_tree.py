@@ -1,21 +1,10 @@
 """Nested batches: count their rows, cut rows ``i:j`` out of them, join pieces back.
 
-A batch is a tensor or a nesting of containers; its rows ``n`` are dim 0 of its tensor leaves.
-:class:`RowSlicer` (the runner, ``accumopt.apply``, ``micro_split``) and :func:`concat` follow
-these rules:
-
-- **Containers**: what ``torch.utils._pytree`` walks, plus ``Mapping`` subclasses (rebuilt as
-  ``type(obj)(dict_of_items)``) and dataclass instances (``type(obj)(**init_fields)``); one
-  that does not rebuild as its own class is a ``TypeError``.
-- **Tensor leaves** share ``n``. Dense ones (subclasses, quantized) are sliced as views; sparse
-  COO, 2-D CSR, batched sparse compressed and nested ones are cut their own way. 2-D
-  CSC/BSR/BSC, MKL-DNN and other layouts are a ``TypeError``, a 0-dim tensor a ``ValueError``.
-- **Per-sample sequences**: a ``list`` or ``tuple`` (exactly) holding no tensor is one leaf,
-  cut if its length is ``n``, else whole; it does not set ``n``. **Other leaves** go whole.
-- **Markers**: a :class:`PerSample` value is always cut and counts as ``n`` rows, a
-  :class:`Broadcast` value never cut, moved or counted.
-
-The usual batch (a dense tensor, or a tuple, list or dict of them) skips pytree: :func:`plain`.
+The rules are the README's "What a batch may hold": rows ``n`` are dim 0 of the tensor leaves;
+``Mapping`` subclasses and dataclasses are rebuilt as ``type(obj)(dict_of_items)`` and
+``type(obj)(**init_fields)`` (:func:`_take_apart`); :func:`check` refuses tensor kinds; a
+``list`` or ``tuple`` (exactly) holding no tensor is cut if its length is ``n`` and sets no
+``n``. The usual batch (a dense tensor, or a tuple, list or dict of them) skips pytree.
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ import itertools
 import operator
 import reprlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
@@ -38,6 +27,10 @@ Batch: TypeAlias = Any
 """A tensor, or a nesting of containers with tensor leaves (the module's rules)."""
 
 T = TypeVar("T")
+short = reprlib.repr  # repr(value) shortened for error messages (a list of 4096 captions...)
+_SCALARS = (str, bytes, int, float, complex, type(None))
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+_DENSE_HINT = "Convert it with .to_dense(), or wrap it in accumopt.split.Broadcast(...)."
 
 
 class _Wrapped(Generic[T]):
@@ -53,31 +46,24 @@ class _Wrapped(Generic[T]):
 
 
 class PerSample(_Wrapped[T]):
-    """Mark ``value`` as per-sample: each piece gets ``value[i:j]`` for its rows ``i:j``.
-
-    For a sequence the default rule would not cut (``n`` tensors of different lengths, each
-    moved to the piece's device, or a numpy array); it counts as ``len(value)`` rows. A
-    ``PerSample`` of a tensor is that tensor. TypeError where ``value`` has no ``len()`` or no
-    slicing. Example: ``{"img": images, "boxes": PerSample([boxes_0, boxes_1, boxes_2])}``.
-    """
+    """Mark ``value`` as per-sample: the piece of rows ``i:j`` gets ``value[i:j]`` (tensors in it
+    moved to its device), and it counts as ``len(value)`` rows; of a tensor, that tensor.
+    TypeError: no ``len()`` or slicing. ``{"boxes": PerSample([b_0, b_1, b_2]), ...}``"""
 
     __slots__ = ()
 
     def __init__(self, value: T) -> None:
         if not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
             raise TypeError(
-                f"PerSample: value={short(value)} has no len() or no slicing; expected a list, "
-                "tuple or other sequence with one item per sample. Wrap such a value in "
-                "Broadcast(...) to pass it whole, or leave it unwrapped."
+                f"PerSample: value={short(value)} has no len() or no slicing; expected a sequence "
+                "with one item per sample. Wrap it in Broadcast(...), or leave it unwrapped."
             )
         super().__init__(value)
 
 
 class Broadcast(_Wrapped[T]):
-    """Mark ``value`` as per-batch: every piece gets ``value`` itself, neither walked, cut,
-    moved nor counted as rows. For a list or tuple whose length happens to be ``n``, or a
-    tensor of per-batch constants. Example: ``{"x": x, "size": Broadcast((3, 224, 224))}``.
-    """
+    """Mark ``value`` as per-batch (a tuple of length ``n`` by chance, a tensor of constants):
+    every piece gets it whole, not walked, cut, moved or counted. ``Broadcast((3, 224, 224))``"""
 
     __slots__ = ()
 
@@ -88,15 +74,9 @@ class Items(_Wrapped["list[Any] | tuple[Any, ...]"]):
     __slots__ = ()
 
 
-def short(value: object) -> str:
-    """``repr(value)``, shortened for error messages (a list of 4096 captions...)."""
-    return reprlib.repr(value)
-
-
 @dataclasses.dataclass
 class _Node:
-    """A Mapping subclass or dataclass instance taken apart for one flatten: its items' values
-    and the context ``(type, keys, is_mapping)`` that :func:`_rebuild` makes it anew from."""
+    """A foreign container taken apart: its values, and ``(type, keys, is_mapping)``."""
 
     children: list[Any]
     context: tuple[type, tuple[Any, ...], bool]
@@ -136,9 +116,6 @@ def _items(x: Any) -> dict[Any, Any]:
     return {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
 
 
-_SCALARS = (str, bytes, int, float, complex, type(None))
-
-
 def _holds_tensor(tree: Any) -> bool:
     """Whether a tensor or a marker is anywhere inside ``tree`` (fast on long lists of str)."""
     stack = [tree]
@@ -158,8 +135,7 @@ def _holds_tensor(tree: Any) -> bool:
 
 
 def _prepare(tree: Any, prefix: pytree.KeyPath, api: str, root: str) -> Any:
-    """``tree`` with every foreign container replaced by a :class:`_Node` (rebuilt on
-    unflatten) and every tensor-free list or tuple by an :class:`Items` leaf."""
+    """``tree``, foreign containers as :class:`_Node`, tensor-free lists or tuples as Items."""
     free: dict[int, bool] = {}  # id -> tensor-free list/tuple; pytree asks twice per node
 
     def stops(x: Any) -> bool:
@@ -193,33 +169,27 @@ def _take_apart(obj: Any, path: pytree.KeyPath, api: str, root: str) -> _Node:
         same, problem = False, f"cannot be rebuilt from its items ({type(err).__name__}: {err})"
     if not same:
         how = "type(obj)(dict_of_items)" if mapping else "type(obj)(**init_fields)"
-        where, kind = root + pytree.keystr(path), type(obj).__qualname__
         raise TypeError(
-            f"{api}: {where}={short(obj)} is a {kind} that {problem}; "
-            f"expected a container that {how} rebuilds with its cut items. Convert it to a "
-            "dict, or wrap it in accumopt.split.Broadcast(...) to pass it whole."
+            f"{api}: {root}{pytree.keystr(path)}={short(obj)} is a {type(obj).__qualname__} that "
+            f"{problem}; expected a container that {how} rebuilds with its cut items. Convert it "
+            "to a dict, or wrap it in accumopt.split.Broadcast(...) to pass it whole."
         )
     key = pytree.MappingKey if mapping else pytree.GetAttrKey
     return _Node([_prepare(v, (*path, key(k)), api, root) for k, v in items.items()], context)
 
 
 def flatten(tree: Any, api: str, root: str = "batch") -> tuple[list[tuple[str, Any]], Any]:
-    """``([(path, leaf), ...], spec)`` by the module's rules, paths as in Python from ``root``
-    (``batch['x'][0]``); a tensor-free list or tuple is an :class:`Items` leaf, a marker itself.
-    ``pytree.tree_unflatten(values, spec)`` rebuilds the nesting. TypeError (starting with
-    ``api``) for a Mapping subclass or dataclass that cannot be rebuilt."""
+    """``([(path, leaf), ...], spec)``, paths from ``root`` (``batch['x'][0]``), tensor-free lists
+    and tuples as :class:`Items`; ``pytree.tree_unflatten(values, spec)`` rebuilds the nesting.
+    TypeError (starting with ``api``) for a container that cannot be rebuilt."""
     prepared = _prepare(tree, (), api, root)
     flat, spec = pytree.tree_flatten_with_path(prepared, is_leaf=lambda x: isinstance(x, _Wrapped))
     return [(root + pytree.keystr(path), leaf) for path, leaf in flat], spec
 
 
-def _strided(t: Tensor) -> bool:
-    return t.layout == torch.strided and not (t.is_nested or t.is_quantized)
-
-
 def dense(t: Tensor) -> bool:
     """A plain dense tensor (cut by slicing): not a subclass, sparse, nested or quantized."""
-    return type(t) is Tensor and _strided(t)
+    return type(t) is Tensor and t.layout == torch.strided and not (t.is_nested or t.is_quantized)
 
 
 def plain(batch: Any) -> tuple[list[tuple[str, Tensor]], Callable[[Any], Any]] | None:
@@ -233,20 +203,15 @@ def plain(batch: Any) -> tuple[list[tuple[str, Tensor]], Callable[[Any], Any]] |
     elif kind is tuple or kind is list:
         leaves, build = [(f"batch[{i}]", leaf) for i, leaf in enumerate(batch)], kind
     elif kind is dict:
-        leaves, keys = [(f"batch[{key!r}]", leaf) for key, leaf in batch.items()], list(batch)
-
-        def build(values: Any) -> dict[Any, Any]:
-            return dict(zip(keys, values))
-
+        leaves = [(f"batch[{key!r}]", leaf) for key, leaf in batch.items()]
+        build = functools.partial(_zip_dict, list(batch))
     else:
         return None
-    if leaves and all(dense(t) and t.dim() > 0 for _, t in leaves):
-        return leaves, build
-    return None
+    return (leaves, build) if leaves and all(dense(t) and t.dim() > 0 for _, t in leaves) else None
 
 
-_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-_DENSE_HINT = "Convert it with .to_dense(), or wrap it in accumopt.split.Broadcast(...)."
+def _zip_dict(keys: list[Any], values: Any) -> dict[Any, Any]:
+    return dict(zip(keys, values))
 
 
 def _kind(t: Tensor) -> tuple[str, str]:
@@ -273,21 +238,18 @@ def check(path: str, t: Tensor, api: str) -> None:
         value = f"tensor({t.item()!r})" if t.layout == torch.strided else short(t)
         raise ValueError(
             f"{api}: {path}={value} is a 0-dim tensor; expected tensor leaves with a batch "
-            "dimension (dim 0). Pass a per-batch scalar as a Python number, or give it a "
-            "leading dimension of the batch length."
+            "dimension (dim 0). Pass a per-batch scalar as a number, or give it a dim of n rows."
         )
-    if t.layout in _COMPRESSED and t.layout != torch.sparse_csr:
-        if _compressed_indices(t)[0].dim() != 1:  # a batch dimension: dim 0 can be cut
-            return
-        refusal = "Convert it with .to_sparse_csr() or .to_sparse_coo(), or .to_dense()."
-    elif t.layout in (torch.strided, torch.sparse_coo, torch.jagged, torch.sparse_csr):
+    compressed = t.layout in _COMPRESSED
+    if compressed and _compressed_indices(t)[0].dim() > 1:  # a batch dimension: dim 0 cuts
         return
-    else:
-        refusal = _DENSE_HINT
+    if t.layout in (torch.strided, torch.sparse_coo, torch.jagged, torch.sparse_csr):
+        return
+    fix = "Convert it with .to_sparse_csr(), .to_sparse_coo() or .to_dense()."
     raise TypeError(
-        f"{api}: {path} is a {_kind(t)[0]}, whose rows (dim 0) accumopt cannot cut; expected "
-        "a dense, sparse COO, sparse CSR, batched sparse compressed, nested or quantized "
-        f"tensor. {refusal}"
+        f"{api}: {path} is a {_kind(t)[0]}, whose rows (dim 0) accumopt cannot cut; expected a "
+        f"dense, sparse COO, CSR or batched compressed, nested or quantized tensor. "
+        f"{fix if compressed else _DENSE_HINT}"
     )
 
 
@@ -313,12 +275,9 @@ def cut(t: Tensor, start: int, stop: int) -> Tensor:
         if t.layout == torch.jagged:
             values, offsets, lengths, dim = _jagged(t)
             low, high = int(offsets[start]), int(offsets[stop])
-            return torch.nested.nested_tensor_from_jagged(
-                values.narrow(dim, low, high - low),
-                offsets[start : stop + 1] - low,
-                lengths=None if lengths is None else lengths[start:stop],
-                jagged_dim=dim + 1,
-            )
+            piece = values.narrow(dim, low, high - low), offsets[start : stop + 1] - low
+            holes = None if lengths is None else lengths[start:stop]
+            return torch.nested.nested_tensor_from_jagged(*piece, lengths=holes, jagged_dim=dim + 1)
         if start == stop:  # torch's narrow fails or keeps one component here
             return torch.nested.nested_tensor([], dtype=t.dtype, device=t.device)
         return t.narrow(0, start, stop - start).contiguous()  # .to() needs it contiguous
@@ -353,12 +312,9 @@ def join(parts: Sequence[Tensor]) -> Tensor:
             holes = None
         else:  # a component's length is where the next starts unless it has a hole
             holes = torch.cat([o.diff() if n is None else n for o, n in zip(offsets, lengths)])
-        return torch.nested.nested_tensor_from_jagged(
-            torch.cat(flat, dims[0]),
-            torch.cat([*starts, offsets[0].new_tensor([sum(extents)])]),
-            lengths=holes,
-            jagged_dim=dims[0] + 1,
-        )
+        end = offsets[0].new_tensor([sum(extents)])
+        new = torch.cat(flat, dims[0]), torch.cat([*starts, end])  # values, offsets
+        return torch.nested.nested_tensor_from_jagged(*new, lengths=holes, jagged_dim=dims[0] + 1)
     if first.layout in _COMPRESSED:
         indices = [_compressed_indices(p) for p in parts]
         values = torch.cat([p.values() for p in parts])
@@ -368,20 +324,16 @@ def join(parts: Sequence[Tensor]) -> Tensor:
             shifts = itertools.accumulate((int(c[-1]) for c, _ in indices), initial=0)
             starts = [c[:-1] + shift for (c, _), shift in zip(indices, shifts)]
             compressed = torch.cat([*starts, indices[0][0].new_tensor([values.size(0)])])
-        size = (sum(p.size(0) for p in parts), *first.shape[1:])
-        other = torch.cat([p for _, p in indices])
-        return torch.sparse_compressed_tensor(
-            compressed, other, values, size=size, layout=first.layout
-        )
+        other, size = torch.cat([p for _, p in indices]), (sum(map(len, parts)), *first.shape[1:])
+        return torch.sparse_compressed_tensor(compressed, other, values, size, layout=first.layout)
     if first.is_nested:  # an empty nested tensor has no trailing dimensions: leave it out
         return torch.cat([p.contiguous() for p in parts if p.size(0) > 0] or [first])
     return torch.cat(list(parts))
 
 
 def _jagged(t: Tensor) -> tuple[Tensor, Tensor, Tensor | None, int]:
-    """A jagged nested tensor's ``(values, offsets, lengths, dim)``: ``values`` holds the
-    components one after the other along ``dim``; component ``k`` starts at ``offsets[k]``
-    and, with holes, is ``lengths[k]`` long (else it ends where the next starts)."""
+    """A jagged nested tensor's ``(values, offsets, lengths, dim)``: component ``k`` starts at
+    ``offsets[k]`` along ``dim`` and is ``lengths[k]`` long (None: up to the next one)."""
     nt: Any = t  # NestedTensor's accessors are not in the Tensor stubs
     return nt.values(), nt.offsets(), nt.lengths(), int(nt._ragged_idx) - 1
 
@@ -403,11 +355,11 @@ def row_shape(t: Tensor) -> tuple[Any, ...]:
 
 
 def move(tensor: Tensor, device: torch.device) -> Tensor:
-    """``tensor.to(device, non_blocking=True)``; a dense host tensor bound for CUDA is pinned
-    first (sparse, nested and quantized tensors are copied without pinning)."""
+    """``tensor.to(device, non_blocking=True)``, a dense host tensor bound for CUDA pinned first."""
     if tensor.device == device:
         return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu" and _strided(tensor):
+    host = tensor.device.type == "cpu" and tensor.layout == torch.strided
+    if device.type == "cuda" and host and not (tensor.is_nested or tensor.is_quantized):
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
 
@@ -419,10 +371,8 @@ def _count_rows(leaves: list[tuple[str, Any]], api: str) -> int:
         values = [leaf.value if isinstance(leaf, Items) else leaf for _, leaf in leaves]
         kinds = sorted({type(v).__qualname__ for v in values}) or ["nothing"]
         raise TypeError(
-            f"{api}: batch has no tensor leaf (leaves: {', '.join(kinds)}); expected a "
-            "tensor or a dict/list/tuple/NamedTuple nesting with at least one tensor. Convert "
-            "arrays with torch.as_tensor first, or wrap a list of samples in "
-            "accumopt.split.PerSample."
+            f"{api}: batch has no tensor leaf (leaves: {', '.join(kinds)}); expected at least one "
+            "tensor. Convert arrays with torch.as_tensor, or wrap a list of samples in PerSample."
         )
     first_path, n = "", -1
     for path, leaf in counted:
@@ -438,9 +388,8 @@ def _count_rows(leaves: list[tuple[str, Any]], api: str) -> int:
                 shape = _kind(leaf)[0] if leaf.is_nested else f"shape {tuple(leaf.shape)}"
                 has = f"{m} rows along dim 0 ({shape})"
             raise ValueError(
-                f"{api}: {path} has {has} but {first_path} has {n}; expected every tensor leaf "
-                "to share the batch length. Pass per-batch constants as non-tensor leaves, or "
-                "wrap them in accumopt.split.Broadcast."
+                f"{api}: {path} has {has} but {first_path} has {n}; expected one batch length. "
+                "Pass per-batch constants as non-tensors, or wrap them in accumopt.Broadcast."
             )
     if n == 0:
         raise ValueError(
@@ -450,24 +399,18 @@ def _count_rows(leaves: list[tuple[str, Any]], api: str) -> int:
 
 
 def batch_size(batch: Batch, api: str) -> int:
-    """The batch's rows ``n``: the shared, non-zero dim 0 of its tensor leaves and
-    :class:`PerSample` values (messages start with ``api``).
-
-    Raises:
-        TypeError: no tensor (nor PerSample); a tensor whose rows cannot be cut; a container
-            that cannot be rebuilt.
-        ValueError: a 0-dim tensor leaf, leaves that disagree on dim 0, or 0 rows.
-    """
+    """The batch's rows ``n``: the shared, non-zero dim 0 of its tensor leaves and PerSample
+    values. Raises (starting with ``api``) TypeError: no tensor (nor PerSample), a tensor whose
+    rows cannot be cut, a container that cannot be rebuilt; ValueError: a 0-dim tensor leaf,
+    leaves that disagree on dim 0, or 0 rows."""
     return _count_rows(flatten(batch, api)[0], api)
 
 
 class RowSlicer:
-    """Rows of one batch, moved to a device, many times: the batch is flattened once.
-
-    ``RowSlicer(batch, device)(start, stop)`` is the batch with rows ``start:stop`` of every
-    tensor leaf and per-sample sequence, its tensors moved to ``device`` (None: not moved) by
-    :func:`move`. ``rows`` is the batch's ``n``; ``api`` starts error messages. Raises as
-    :func:`batch_size` when built, and ``TypeError`` where torch cannot cut or move a leaf.
+    """Rows of one batch, flattened once: ``RowSlicer(batch, device)(start, stop)`` is the batch
+    with rows ``start:stop`` of every tensor leaf and per-sample sequence, tensors moved to
+    ``device`` (None: not moved) by :func:`move`. ``rows`` is the batch's ``n``; ``api`` starts
+    messages. Raises as :func:`batch_size` when built, TypeError where torch cannot cut or move.
     """
 
     def __init__(
@@ -480,17 +423,15 @@ class RowSlicer:
             fast = leaves, functools.partial(pytree.tree_unflatten, treespec=spec)
         leaves, self._build = fast
         self.rows = _count_rows(leaves, api)
-        self.leaves: list[tuple[str, Any, Literal["slice", "tensor", "rows", "whole"]]] = []
-        for path, leaf in leaves:  # how each leaf's rows are cut
+        self.leaves: list[tuple[str, Any, str]] = []  # how: "slice", "tensor", "rows", "whole"
+        for path, leaf in leaves:
+            value = leaf.value if isinstance(leaf, _Wrapped) else leaf
             if isinstance(leaf, Tensor):
-                self.leaves.append((path, leaf, "slice" if dense(leaf) else "tensor"))
-            elif isinstance(leaf, PerSample) or (
-                isinstance(leaf, Items) and len(leaf.value) == self.rows
-            ):
-                self.leaves.append((path, leaf.value, "rows"))
+                how = "slice" if dense(leaf) else "tensor"
             else:
-                whole = leaf.value if isinstance(leaf, _Wrapped) else leaf
-                self.leaves.append((path, whole, "whole"))
+                cut_rows = isinstance(leaf, Items) and len(value) == self.rows
+                how = "rows" if cut_rows or isinstance(leaf, PerSample) else "whole"
+            self.leaves.append((path, value, how))
 
     def __call__(self, start: int, stop: int) -> Batch:
         return self.cut(start, stop, self.device)
@@ -499,32 +440,28 @@ class RowSlicer:
         """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved)."""
         values: list[Any] = []
         for path, leaf, how in self.leaves:
-            part: Any
-            if how == "whole":
-                values.append(leaf)
-                continue
+            part: Any = leaf
             if how == "tensor":
                 op = functools.partial(cut, leaf, start, stop)
                 part = guard(self.api, path, leaf, f"cut at rows {start}:{stop}", op)
-            else:
+            elif how != "whole":
                 part = leaf[start:stop]
-            if device is not None and type(part) in (list, tuple):
-                part = type(part)(self._move(path, x, device) for x in part)
-            elif device is not None:
-                part = self._move(path, part, device)
-            values.append(part)
+            if device is None or how == "whole":
+                values.append(part)
+            elif type(part) in (list, tuple):
+                values.append(type(part)(self._move(path, x, device) for x in part))
+            else:
+                values.append(self._move(path, part, device))
         return self._build(values)
 
     def split(self, size: int) -> Iterator[tuple[Batch, int]]:
-        """``(piece, rows)`` for rows ``0:size``, ``size:2*size``, ... (the last may be
-        shorter), moved to the slicer's ``device``."""
+        """``(piece, rows)`` for rows ``0:size``, ``size:2*size``, ..., moved to ``device``."""
         for start in range(0, self.rows, size):
             stop = min(start + size, self.rows)
             yield self(start, stop), stop - start
 
     def shape_key(self) -> tuple[tuple[str, tuple[Any, ...], str], ...]:
-        """Each tensor leaf's path, :func:`row_shape` and dtype: what the micro-batch size
-        search keeps one ceiling for."""
+        """Per tensor leaf ``(path, row_shape, dtype)``: the size search's ceiling is per key."""
         return tuple(
             (path, row_shape(leaf), str(leaf.dtype).removeprefix("torch."))
             for path, leaf, how in self.leaves
@@ -540,19 +477,12 @@ class RowSlicer:
 def concat(
     pieces: Sequence[Batch], *, sizes: Sequence[int] | None = None, api: str = "MicroBatchRunner"
 ) -> Batch:
-    """Join same-structured pieces (per-micro-batch outputs) along the rows, leaf by leaf, into
-    the nesting of ``pieces[0]``.
-
-    Tensors with a dim 0 and ``PerSample`` lists or tuples are concatenated; so is a tensor-free
-    list or tuple whose length in every piece is that piece's rows (``sizes[k]``, else the dim
-    0 its tensors agree on), unless every piece holds the same object. Anything else is taken
-    from the first piece. Pieces whose tensor lists differ in length are nested differently.
-
-    Raises:
-        ValueError: the pieces are nested differently, or ``sizes`` has the wrong length.
-        TypeError: a tensor of a kind that cannot be concatenated (the message names it); a
-            ``PerSample`` value that is not a list or tuple.
-    """
+    """Join same-structured pieces (per-micro-batch outputs) along the rows into the nesting of
+    ``pieces[0]``: tensors with a dim 0, ``PerSample`` lists or tuples, and a tensor-free list or
+    tuple as long as its piece's rows in every piece (``sizes[k]``, else the dim 0 its tensors
+    agree on) unless it is one object; the rest from the first piece. ValueError: pieces nested
+    differently, ``sizes`` of the wrong length; TypeError: a tensor that cannot be concatenated
+    (named), a ``PerSample`` value that is not a list or tuple."""
     flats = [flatten(piece, api, root="outputs") for piece in pieces]
     spec, order = flats[0][1], [path for path, _ in flats[0][0]]
     for k, (leaves, other) in enumerate(flats[1:], 1):
@@ -564,9 +494,8 @@ def concat(
             extra = sorted(set(by_path) - set(order))[:3]
             raise ValueError(
                 f"{api}: outputs[{k}] is nested differently from outputs[0] (missing {missing}, "
-                f"extra {extra}: other keys, or lists holding tensors of other lengths); "
-                "expected pieces of one structure. Return the same structure from every "
-                "micro-batch, and wrap lists of per-sample tensors in accumopt.split.PerSample."
+                f"extra {extra}); expected one structure. Return the same structure from every "
+                "micro-batch; wrap lists of per-sample tensors in accumopt.PerSample."
             )
         flats[k] = ([(path, by_path[path]) for path in order], spec)
     if sizes is not None and len(sizes) != len(pieces):

@@ -1,8 +1,6 @@
-"""``@accumopt.apply``: a drop-in for mbp-pytorch's ``@mbp.apply``, with its defects fixed.
-
-Unlike mbp-pytorch 0.2.6, a short last micro-batch is weighted by its rows (mbp: 18 % gradient
-error for 40 samples at 16), every sample is processed (mbp with ``device_ids=[0, 1]``: half),
-a ``GradScaler`` can be passed, bad calls raise, and one call is one micro-step of a wrapper."""
+"""``@accumopt.apply``: a drop-in for mbp-pytorch's ``@mbp.apply``, with its defects fixed (a
+short last micro-batch weighted by its rows, every sample processed, a ``GradScaler``, bad calls
+refused, one call one micro-step of a wrapper): README, "mbp-pytorch users"."""
 
 from __future__ import annotations
 
@@ -25,12 +23,11 @@ def apply(
     *,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator for a function that returns the *mean* loss of the batch it is given (maybe
-    followed by other outputs): each call runs its batch as micro-batches of at most ``ub_size``
-    rows, accumulates their gradients (under an ``Accumulate`` wrapper as one micro-step; one
-    that raises leaves it refusing until ``discard()``) and returns the batch's mean loss (a
-    detached 0-dim tensor), or ``(loss, *others)`` with tensor outputs concatenated along dim 0
-    and others gathered in lists, as mbp-pytorch. The caller then steps once.
+    """Decorate a function that returns the *mean* loss of its batch (maybe followed by other
+    outputs): each call runs the batch as micro-batches of at most ``ub_size`` rows, accumulates
+    their gradients (one micro-step of an ``Accumulate`` wrapper) and returns the batch's mean
+    loss (detached, 0-dim), or ``(loss, *others)``: tensor outputs concatenated along dim 0,
+    others gathered in lists, as mbp-pytorch. The caller then steps once.
 
     Args:
         batch_names: the keyword arguments holding the batch (tensors, or nestings cut as by
@@ -70,15 +67,15 @@ def apply(
             total: Tensor | None = None
             others: list[list[Any]] = []
             try:
-                for start in range(0, n, ub_size):
-                    out = func(*args, **{**kwargs, **rows_of(start, start + ub_size)})
+                for piece, rows in rows_of.split(ub_size):
+                    out = func(*args, **{**kwargs, **piece})
                     loss, *rest = out if isinstance(out, tuple) else (out,)
                     if not isinstance(loss, Tensor) or loss.numel() != 1:
                         raise TypeError(
                             f"apply: {func.__name__} returned {type(loss).__qualname__} first; "
                             "expected the micro-batch's mean loss as a scalar tensor."
                         )
-                    weighted = loss * (min(n, start + ub_size) - start) / n
+                    weighted = loss * rows / n
                     with group:
                         scaled = weighted if scaler is None else scaler.scale(weighted)
                         torch.autograd.backward(scaled)

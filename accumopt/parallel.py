@@ -42,10 +42,9 @@ def parallel_backward(
     Then ``opt.backward(total, items=total_items)`` (one micro-step) if ``opt`` is given, else
     ``(total / total_items).backward()`` (0 items: ``total`` undivided).
 
-    One device listed several times: the pieces run in turn on ``model``. Distinct CUDA
-    devices: ``model`` is replicated (``replicate``; gradients flow back to its parameters) and
-    the pieces run concurrently (``parallel_apply``); buffer updates on the replicas are
-    dropped, as in ``DataParallel``. BatchNorm normalises each piece alone.
+    One device listed several times runs the pieces in turn on ``model``; distinct CUDA devices
+    run them concurrently on replicas, buffer updates dropped as in ``DataParallel`` (README,
+    "Several devices in one process"). BatchNorm normalises each piece alone.
 
     Returns:
         The mean loss over the call's samples (or items): a detached 0-dim tensor on
@@ -70,25 +69,21 @@ def parallel_backward(
     if opt is not None and not isinstance(opt, Accumulate):
         raise TypeError(
             f"parallel_backward: opt is a {type(opt).__qualname__}; expected an Accumulate "
-            "wrapper, or None for a plain backward. Wrap the optimizer: "
-            "opt=Accumulate(torch.optim.AdamW(model.parameters()), every=k)."
+            "wrapper or None. Wrap the optimizer: opt=Accumulate(torch.optim.AdamW(...), every=k)."
         )
     if not torch.is_grad_enabled():
         raise RuntimeError(
-            "parallel_backward: gradients are disabled (torch.no_grad or inference mode); "
-            "expected grad mode for the backward pass. Call it outside the no_grad block."
+            "parallel_backward: gradients are disabled (torch.no_grad or inference mode); expected "
+            "grad mode. Call it outside the no_grad block."
         )
     targets = split._check_devices(devices)
     replicated = _check_placement(model, targets)
     pieces = [p for p in split.micro_split(batch, devices, weights=weights) if p.size > 0]
     if replicated:
         replicas = dict(zip(targets, replicate(model, targets)))
-        calls = [functools.partial(loss_fn, replicas[p.device]) for p in pieces]
-        outputs = parallel_apply(
-            calls,  # type: ignore[arg-type]  # it calls each entry: a module or not
-            [(p.batch,) for p in pieces],
-            devices=[p.device for p in pieces],
-        )
+        calls: Any = [functools.partial(loss_fn, replicas[p.device]) for p in pieces]  # no Module
+        inputs = [(p.batch,) for p in pieces]
+        outputs = parallel_apply(calls, inputs, devices=[p.device for p in pieces])
     else:
         outputs = [loss_fn(model, p.batch) for p in pieces]
     total, items = _combine(pieces, outputs, targets[0])
@@ -107,17 +102,16 @@ def _check_placement(model: nn.Module, targets: list[torch.device]) -> bool:
     distinct_cuda = len(set(targets)) == len(targets) and all(d.type == "cuda" for d in targets)
     if not (sequential or distinct_cuda):
         raise ValueError(
-            f"parallel_backward: devices={[str(d) for d in targets]} mix devices; expected "
-            "one device listed any number of times, or distinct CUDA devices. For more pieces "
-            "than GPUs, call parallel_backward several times within an Accumulate window."
+            f"parallel_backward: devices={[str(d) for d in targets]} mix devices; expected one "
+            "device listed any number of times, or distinct CUDA devices. More pieces than GPUs: "
+            "call it several times within an Accumulate window."
         )
     for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
         if t.device != primary:
             kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
             raise ValueError(
                 f"parallel_backward: model {kind} {name!r} is on {t.device}; expected every "
-                f"parameter and buffer on devices[0]={primary}. Call "
-                f"model.to({str(primary)!r}) first."
+                f"parameter and buffer on devices[0]={primary}. Call model.to('{primary}') first."
             )
     return not sequential
 
@@ -129,8 +123,7 @@ def _combine(
     if len({isinstance(out, tuple) for out in outputs}) > 1:
         raise ValueError(
             "parallel_backward: loss_fn returned a scalar for some pieces and (loss_sum, items) "
-            "for others; expected the same kind for every piece. Return (loss_sum, items) "
-            "throughout for item weighting."
+            "for others; expected one kind for every piece. Return (loss_sum, items) throughout."
         )
     terms: list[Tensor] = []
     items: float | Tensor = 0.0
@@ -143,13 +136,10 @@ def _combine(
             )
         loss, count = out if isinstance(out, tuple) else (out, piece.size)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
-            what = (
-                f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss)
-            )
+            got = f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss)
             raise TypeError(
-                f"parallel_backward: loss_fn returned a {what} for {where}; expected a scalar "
-                "tensor (the mean loss) or (loss_sum, items) with a one-element loss_sum. "
-                "Reduce the loss over the piece."
+                f"parallel_backward: loss_fn returned a {got} for {where}; expected a scalar mean "
+                "loss, or (loss_sum, items) with a one-element loss_sum. Reduce it over the piece."
             )
         terms.append(loss.to(primary).reshape(()) * (1 if isinstance(out, tuple) else piece.size))
         if not isinstance(count, Tensor):  # a finite number >= 0, else ValueError

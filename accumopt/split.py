@@ -23,9 +23,8 @@ DeviceLike: TypeAlias = str | torch.device | int
 
 
 class Piece(NamedTuple):
-    """One device's share of a batch (:func:`micro_split`): ``batch`` with the input's nesting,
-    rows ``i:i+size`` of its cut leaves (tensors on ``device``); ``size`` >= 0 rows (0 only
-    with ``weights=``)."""
+    """One device's share (:func:`micro_split`): ``batch`` in the input's nesting with rows
+    ``i:i+size`` of its cut leaves, tensors on ``device``; ``size >= 0`` (0 only with weights)."""
 
     batch: Batch
     size: int
@@ -37,14 +36,11 @@ def micro_split(
 ) -> list[Piece]:
     """Split ``batch`` along dim 0 into one piece per listed device, and move each piece there.
 
-    Tensor leaves (any kind with a batch dimension), tensor-free lists and tuples of length
-    ``n`` and ``PerSample`` values are cut; other leaves and ``Broadcast`` values go whole to
-    every piece (the rules of :mod:`accumopt._tree`). Tensors are moved with
-    ``.to(device, non_blocking=True)``, a dense CPU slice bound for CUDA pinned first.
-
-    Without ``weights`` sizes differ by at most one row, the first pieces larger (10 rows on 3
-    devices: 4, 3, 3). With ``weights`` piece ``k`` gets ``n * weights[k] / sum(weights)`` rows
-    by largest remainder (ties to the earlier device); a share that rounds to 0 is empty.
+    What is cut and what goes whole: README, "What a batch may hold". Tensors are moved with
+    ``.to(device, non_blocking=True)``, a dense CPU slice bound for CUDA pinned first. Without
+    ``weights`` sizes differ by at most one row, the first pieces larger (10 rows on 3 devices:
+    4, 3, 3); with them piece ``k`` gets ``n * weights[k] / sum(weights)`` rows by largest
+    remainder (ties to the earlier device), and a share that rounds to 0 is empty.
 
     Args:
         batch: a tensor or a nesting whose tensor leaves share ``n >= len(devices)`` rows.
@@ -57,11 +53,10 @@ def micro_split(
         layouts and subclasses kept.
 
     Raises:
-        TypeError: ``devices`` or ``weights`` not a list, a device of another type; the batch
-            errors of :func:`accumopt._tree.batch_size`; a leaf torch cannot cut or move.
+        TypeError: ``devices`` or ``weights`` not a list, a device of another type; a batch
+            :func:`accumopt._tree.batch_size` refuses; a leaf torch cannot cut or move.
         ValueError: fewer rows than devices; an unknown device, CUDA not available or an index
-            out of range; ``weights`` of the wrong length, not positive or not finite; the
-            batch errors of :func:`accumopt._tree.batch_size`.
+            out of range; bad ``weights`` (length, not positive or finite); as ``batch_size``.
 
     Example:
         >>> pieces = micro_split({"x": torch.zeros(5, 3), "tag": "train"}, ["cpu", "cpu"])
@@ -96,46 +91,39 @@ def _check_devices(devices: object) -> list[torch.device]:
             'per piece, e.g. ["cuda:0", "cuda:1"] or ["cpu"].'
         )
     if not devices:
-        raise ValueError(
-            "micro_split: devices=[] is empty; expected at least one device, e.g. ['cpu']."
-        )
+        raise ValueError("micro_split: devices=[] is empty; expected one device at least: ['cpu'].")
     return [_parse_device(d, k) for k, d in enumerate(devices)]
 
 
 def _parse_device(device: object, k: int) -> torch.device:
-    where = f"devices[{k}]={device!r}"
+    where = f"micro_split: devices[{k}]={device!r}"
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(
-            f"micro_split: {where} is a {type(device).__qualname__}; expected a str such as "
-            "'cuda:0', a torch.device or an int CUDA index."
+            f"{where} is a {type(device).__qualname__}; expected a str such as 'cuda:0', a "
+            "torch.device or an int CUDA index."
         )
     if isinstance(device, int) and device < 0:
-        raise ValueError(
-            f"micro_split: {where} is negative; expected a CUDA index >= 0 or a device string."
-        )
+        raise ValueError(f"{where} is negative; expected a CUDA index >= 0 or a device string.")
     try:
         parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except RuntimeError:
         raise ValueError(
-            f"micro_split: {where} is not a device; expected 'cpu', 'cuda' or 'cuda:<index>', "
-            "a torch.device or an int CUDA index."
+            f"{where} is not a device; expected 'cpu', 'cuda' or 'cuda:<index>', a torch.device "
+            "or an int CUDA index."
         ) from None
     if parsed.type == "cpu":
         return torch.device("cpu")
     if parsed.type != "cuda":
-        raise ValueError(
-            f"micro_split: {where} has device type {parsed.type!r}; expected 'cpu' or 'cuda'."
-        )
+        raise ValueError(f"{where} has device type {parsed.type!r}; expected 'cpu' or 'cuda'.")
     if not torch.cuda.is_available():
         raise ValueError(
-            f"micro_split: {where} is a CUDA device but CUDA is not available; expected 'cpu' "
-            "entries on this machine. Check torch.cuda.is_available()."
+            f"{where} is a CUDA device but CUDA is not available; expected 'cpu' entries on "
+            "this machine. Check torch.cuda.is_available()."
         )
     index = torch.cuda.current_device() if parsed.index is None else parsed.index
-    count = torch.cuda.device_count()
-    if index >= count:
+    if index >= (count := torch.cuda.device_count()):
         raise ValueError(
-            f"micro_split: {where} is out of range; expected a CUDA index below "
+            f"{where} is out of range; expected a CUDA index below "
             f"torch.cuda.device_count()={count}."
         )
     return torch.device("cuda", index)
