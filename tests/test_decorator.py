@@ -87,3 +87,28 @@ def test_bad_calls_are_clear_errors() -> None:
         ValueError, match=r"batch\['label'\] has 3 rows along dim 0 .* but batch\['x'\] has 4"
     ):
         train_fn(mlp(83), x=x, label=y[:3])
+
+
+def test_a_nested_leaf_with_a_short_last_micro_batch_is_cut_at_the_batch_end() -> None:
+    """A jagged nested tensor in the batch: the last, shorter micro-batch gets the rows that are
+    left (6 rows at 4 per micro-batch), and the gradient equals the whole batch's."""
+    ref, model = twins(mlp(81))
+    x, y = data(81, 6)
+    rows = torch.nested.nested_tensor(
+        [torch.ones(k % 3 + 1) for k in range(6)], layout=torch.jagged
+    )
+    full_batch_grad_step(ref, x, y)
+    seen: list[int] = []
+
+    @accumopt.apply(["x", "label", "rows"], 4)
+    def train_fn(
+        model: nn.Module, x: torch.Tensor, label: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        seen.append(rows.size(0))
+        return F.mse_loss(model(x), label)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_fn(model, x=x, label=y, rows=rows)
+    opt.step()
+    assert seen == [4, 2]
+    assert_same_params(model, ref)
