@@ -1,8 +1,7 @@
-"""The wrapper's checkpoint format: ``state_dict``, ``load_state_dict``, copies. The wrapper's
-entry, the ``torch.save`` bytes of a format 4 dict, rides in the inner optimizer's param group 0
-(key :func:`key_for`), so it travels every path a state dict takes, DCP included; an open window's
-``.grad`` and buffer sums in it resume bit for bit. A stale entry (a bare optimizer trained on, as
-its ``"fingerprint"`` of the inner state tells) is ignored."""
+"""The wrapper's checkpoint format: ``state_dict``, ``load_state_dict``, copies. Its entry, the
+``torch.save`` bytes of a format 4 dict in the inner optimizer's param group 0 (:func:`key_for`),
+travels every path a state dict takes (DCP too); an open window's ``.grad`` and buffer sums resume
+bit for bit. A stale entry (its ``"fingerprint"``: the bare optimizer trained on) is ignored."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ _STALE = (
     "dict whose inner optimizer trained on without the wrapper; the window starts fresh."
 )
 _LOAD = "Accumulate.load_state_dict: the checkpoint's"
+_UNCHANGED = "Nothing was changed."
 _INTACT = "Load an intact checkpoint; nothing was changed."
 _WINDOW = ("every", "every_items", "reduction", "scheduled")  # the window settings an entry holds
 
@@ -41,8 +41,7 @@ def checkpoint_position(state_dict: Any) -> tuple[int, int] | None:
     """``(updates, micro_steps)`` the wrapper's entry in ``state_dict`` was saved at (the same
     on every rank; None for a bare optimizer's), to tell which save a per-rank file belongs to.
     ValueError: the entry cannot be read, or is of another format."""
-    entry = entry_of(state_dict)
-    if entry is None:
+    if (entry := entry_of(state_dict)) is None:
         return None
     state = entry.get("state") or {}
     return int(state.get("updates", 0)), int(state.get("micro_step", 0))
@@ -69,7 +68,7 @@ def entry_of(state_dict: Any, rank: int = 0) -> dict[str, Any] | None:
         return None
     try:
         entry = torch.load(io.BytesIO(packed), map_location="cpu", weights_only=True)
-        fmt = _format(entry)
+        fmt = entry.get("format", entry.get("version"))  # format 1 called it "version"
     except Exception as err:
         raise ValueError(
             f"{_LOAD} accumopt entry cannot be read ({type(err).__name__}: {err}); expected the "
@@ -89,15 +88,10 @@ def _window(opt: Accumulate) -> tuple[Any, ...]:
     return (*sizes, opt.reduction, opt._rules.schedule is not None)
 
 
-def _format(entry: dict[str, Any]) -> Any:
-    return entry.get("format", entry.get("version"))  # format 1 called it "version"
-
-
 def pack(entry: dict[str, Any]) -> bytes:
     """``entry`` as the bytes :func:`state_dict` saves (a DTensor as this rank's local shard)."""
-    entry = tree_map_only(Tensor, local_shard, entry)
     buffer = io.BytesIO()
-    torch.save(entry, buffer)
+    torch.save(tree_map_only(Tensor, local_shard, entry), buffer)
     return buffer.getvalue()
 
 
@@ -154,12 +148,11 @@ def load_state_dict(opt: Accumulate, state_dict: dict[str, Any]) -> None:
         result = pre_hook(opt, state_dict)
         if result is not None:
             state_dict = result
-    entry = check(opt, state_dict, warn=True)
+    got = check(opt, state_dict, warn=True) or {}
     params = _grads.params_of(opt.param_groups)
     inner = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
     for key in [k for k in inner["param_groups"][0] if str(k).startswith(KEY)]:
         del inner["param_groups"][0][key]
-    got = entry or {}
     noise = got.get("noise_scale")
     if noise is not None and opt.noise_scale is not None:
         noise = opt.noise_scale.read_state(noise)  # ValueError where damaged
@@ -171,10 +164,8 @@ def load_state_dict(opt: Accumulate, state_dict: dict[str, Any]) -> None:
         raise
     opt.param_groups, opt.state = opt.optimizer.param_groups, opt.optimizer.state
     opt.param_groups[0][key_for(opt.rank)] = None
-    s = opt._state
-    saved = got.get("state", {})
-    s.updates = int(saved.get("updates", 0))
-    s.items_seen = float(saved.get("items_seen", 0.0))
+    s, saved = opt._state, got.get("state", {})
+    s.updates, s.items_seen = int(saved.get("updates", 0)), float(saved.get("items_seen", 0.0))
     if noise is not None and opt.noise_scale is not None:
         opt.noise_scale.__dict__.update(noise)
     window = bool(saved.get("micro_step"))
@@ -184,30 +175,24 @@ def load_state_dict(opt: Accumulate, state_dict: dict[str, Any]) -> None:
         if window:  # the checkpoint's window is not restored: refuse until another load
             opt._break("an earlier load_state_dict() failed part-way")
         raise
-    if window:
-        _restore_window(opt, got, params)
+    if window:  # resume the checked open window into the empty one
+        s.phase = Phase.BROKEN
+        s.micro_step, s.items = int(saved["micro_step"]), float(saved["items"])
+        s.weighted, s.stepped = saved["weighted"], saved["stepped"]
+        s.size = None if saved["size"] is None else float(saved["size"])
+        s.found_inf = None if got["found_inf"] is None else got["found_inf"].clone()
+        with torch.no_grad():
+            for i, g in got["grads"].items():
+                params[i].grad = shard_like(g, params[i])
+        sums = {i: shard_like(t, params[i]) for i, t in got["sums"].items()}
+        opt._buffer.restore({**got, "sums": sums}, params, saved["closed"])
+        opt._sync.restored(s)
+        s.phase = Phase.CLOSED if saved["closed"] else Phase.OPEN
+        opt._plan()
+        if not saved["closed"]:  # a wipe before the close is refused; the rates are not noted
+            opt._guard.note_grads(opt._in_grad())  # (a scheduler is often loaded after)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
-
-
-def _restore_window(opt: Accumulate, entry: dict[str, Any], params: list[Tensor]) -> None:
-    """Resume the open window of ``entry`` (checked) into the empty one."""
-    s, saved = opt._state, entry["state"]
-    s.phase = Phase.BROKEN
-    s.micro_step, s.items = int(saved["micro_step"]), float(saved["items"])
-    s.weighted, s.stepped = saved["weighted"], saved["stepped"]
-    s.size = None if saved["size"] is None else float(saved["size"])
-    s.found_inf = None if entry["found_inf"] is None else entry["found_inf"].clone()
-    with torch.no_grad():
-        for i, g in entry["grads"].items():
-            params[i].grad = shard_like(g, params[i])
-    sums = {i: shard_like(t, params[i]) for i, t in entry["sums"].items()}
-    opt._buffer.restore({**entry, "sums": sums}, params, saved["closed"])
-    opt._sync.restored(s)
-    s.phase = Phase.CLOSED if saved["closed"] else Phase.OPEN
-    opt._plan()
-    if not saved["closed"]:  # a wipe before the close is refused; the rates are not noted
-        opt._guard.note_grads(opt._in_grad())  # (a scheduler is often loaded after)
 
 
 def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any] | None:
@@ -223,14 +208,7 @@ def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any
         if entry is not None and warn:
             _LOG.warning(_STALE, entry.get("state", {}).get("updates"))
         return None
-    _check(opt, entry)
-    return entry
-
-
-def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
-    """Refuse (ValueError) an entry this wrapper cannot load: a damaged field, other window
-    settings, size, parameter shapes or rank."""
-    state = entry.get("state")
+    state = entry.get("state")  # refused below: a damaged field, other settings, size or shapes
     fields = {
         "state": isinstance(state, dict),
         "grads": _tensors(entry.get("grads")),
@@ -257,13 +235,12 @@ def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
         )
     assert isinstance(state, dict)
     if not state["micro_step"]:
-        return
+        return entry
     here = [opt._sync.rank, opt._sync.world_size]
     if list(entry["rank"]) != here:
         raise ValueError(
             f"{_LOAD} open window was saved by rank {entry['rank'][0]} of {entry['rank'][1]}, "
-            f"and is loaded on rank {here[0]} of {here[1]}: its gradient is that rank's own. Load "
-            "each rank's own state dict on as many ranks (or a boundary's); nothing was changed."
+            f"and is loaded on rank {here[0]} of {here[1]}. Load each rank's own. {_UNCHANGED}"
         )
     rules, saved, ours = opt._rules, tuple(entry.get(k) for k in _WINDOW), _window(opt)
     scheduled = bool(saved[3] or ours[3])
@@ -272,8 +249,8 @@ def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
     if saved != ours:
         raise ValueError(
             f"{_LOAD} open window was saved with (every, every_items, reduction)={saved[:3]!r}, "
-            f"this wrapper has {ours[:3]!r}{' (a schedule)' if scheduled else ''}. Rebuild the "
-            "wrapper with them, or save at a boundary; nothing was changed."
+            f"this wrapper has {ours[:3]!r}{' (a schedule)' if scheduled else ''}. Rebuild it so, "
+            f"or save at a boundary. {_UNCHANGED}"
         )
     size = state["size"]
     full = reaches(state["micro_step"], state["items"], size, rules.in_items)
@@ -282,8 +259,7 @@ def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
     if not sized or full != state["closed"]:
         raise ValueError(
             f"{_LOAD} window of size {size!r} has micro_step={state['micro_step']!r}, items="
-            f"{state['items']!r}, closed={state['closed']!r}; expected a size this wrapper can "
-            f"have, closed exactly when full: it was changed or damaged. {_INTACT}"
+            f"{state['items']!r}, closed={state['closed']!r}: it was changed or damaged. {_INTACT}"
         )
     params = _grads.params_of(opt.param_groups)
     for i, tensor in [*entry["grads"].items(), *entry["sums"].items()]:
@@ -292,8 +268,9 @@ def _check(opt: Accumulate, entry: dict[str, Any]) -> None:
             raise ValueError(
                 f"{_LOAD} window holds a gradient of shape {tuple(tensor.shape)} for parameter "
                 f"{i}, this optimizer has {have}; expected the model, parameter groups and "
-                "sharding it was saved with. Nothing was changed."
+                f"sharding it was saved with. {_UNCHANGED}"
             )
+    return entry
 
 
 def _load_schedule_state(opt: Accumulate, state: Any) -> Any:
@@ -316,8 +293,7 @@ def _load_schedule_state(opt: Accumulate, state: Any) -> Any:
         undo()
         raise ValueError(
             f"{_LOAD} schedule state {str(state)[:200]} does not load into {schedule!r} "
-            f"({type(err).__name__}: {err}): it was changed or damaged. Load the state_dict() "
-            "of the same schedule; nothing was changed."
+            f"({type(err).__name__}: {err}): it was changed or damaged. {_INTACT}"
         ) from None
     return undo
 
@@ -373,8 +349,7 @@ def dcp_init_step(opt: Accumulate) -> bool:
         return False
     params = [p for p in _grads.params_of(opt.param_groups) if p.requires_grad]
     for p in params:
-        grad = local_shard(p.grad) if p.grad is not None else None
-        if grad is None or grad.is_sparse or bool(grad.any()):
+        if p.grad is None or (grad := local_shard(p.grad)).is_sparse or bool(grad.any()):
             return False
     if params and not s.micro_step:
         counts = s.updates, s.items_seen, s.did_update
@@ -392,10 +367,8 @@ def dcp_init_step(opt: Accumulate) -> bool:
 def _fingerprint(state_dict: dict[str, Any]) -> list[float]:
     """What tells a stale entry: each param group's learning rate, and the sum of the inner
     state's ``"step"`` counts (the same on every rank)."""
-    groups = state_dict.get("param_groups") or []
-    marks = [
-        float(g["lr"]) if isinstance(g.get("lr"), (float, int, Tensor)) else -1.0 for g in groups
-    ]
+    lrs = [g.get("lr") for g in state_dict.get("param_groups") or []]
+    marks = [float(lr) if isinstance(lr, (float, int, Tensor)) else -1.0 for lr in lrs]
     steps = [v.get("step") for v in (state_dict.get("state") or {}).values() if isinstance(v, dict)]
     return [*marks, float(sum(float(local_shard(t)) for t in steps if t is not None))]
 
@@ -409,10 +382,8 @@ def _amount(value: Any) -> bool:
     return real and math.isfinite(value) and value >= 0
 
 
-def _tensors(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        _count(i) and isinstance(t, Tensor) for i, t in value.items()
-    )
+def _tensors(v: Any) -> bool:
+    return isinstance(v, dict) and all(_count(i) and isinstance(t, Tensor) for i, t in v.items())
 
 
 def _is_place(place: Any) -> bool:

@@ -40,8 +40,7 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         )
     if getattr(type(optimizer), "_accumopt_wrapper", False):
         raise TypeError(
-            "Accumulate: optimizer is already an Accumulate; expected a plain "
-            "torch.optim.Optimizer. Wrap the inner optimizer once and set every= on that wrapper."
+            "Accumulate: optimizer is already an Accumulate; wrap the inner optimizer once instead."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -74,8 +73,7 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
     if (every is None) == (every_items is None):
         raise ValueError(
             f"Accumulate: got every={every!r} and every_items={every_items!r}; expected exactly "
-            "one: every=N (backward passes per update), every_items=T (items, e.g. samples or "
-            "tokens, per update), or a schedule of either (accumopt.schedules)."
+            "one: every=N or every_items=T (backward passes or items per update), or a schedule."
         )
     if callable(every) or callable(every_items):
         return every, every_items
@@ -83,7 +81,7 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
         if not positive_int(every):
             raise ValueError(
                 f"Accumulate: every={every!r} is not a positive int; expected the number of "
-                "backward passes (micro-steps) per update, >= 1 (every=1 means no accumulation)."
+                "backward passes per update (every=1: no accumulation)."
             )
         return int(every), None
     if not _positive_real(every_items) or not math.isfinite(float(every_items)):
@@ -98,22 +96,18 @@ def check_reduction(reduction: object) -> str:
     """Validate ``reduction`` ("mean" or "sum")."""
     if reduction not in ("mean", "sum"):
         raise ValueError(
-            f"Accumulate: reduction={reduction!r} is not supported; expected 'mean' (the update "
-            "of the window's mean loss) or 'sum' (summed gradients, no division)."
+            f"Accumulate: reduction={reduction!r} is not supported; expected 'mean' or 'sum'."
         )
     return str(reduction)
 
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
     """Validate ``max_grad_norm`` (None, a positive number, or ``inf``: measure only)."""
-    if max_grad_norm is None:
-        return None
-    if not _positive_real(max_grad_norm):  # NaN is not > 0
+    if max_grad_norm is not None and not _positive_real(max_grad_norm):  # NaN is not > 0
         raise ValueError(
-            f"Accumulate: max_grad_norm={max_grad_norm!r} is not a positive number; expected None "
-            "(no clipping), the window gradient's largest 2-norm, or float('inf') (measure only)."
+            f"Accumulate: max_grad_norm={max_grad_norm!r} is not > 0; expected None, a norm or inf."
         )
-    return float(max_grad_norm)
+    return None if max_grad_norm is None else float(max_grad_norm)
 
 
 def check_scaler(scaler: object) -> torch.amp.GradScaler | None:
@@ -130,8 +124,7 @@ def check_buffer(buffer: object) -> bool | None:
     """Validate ``buffer`` (None, True or False)."""
     if buffer is not None and not isinstance(buffer, bool):
         raise ValueError(
-            f"Accumulate: buffer={buffer!r} is not supported; expected None (float32 window "
-            "buffer for bf16/fp16 parameters only), True (every parameter) or False (none)."
+            f"Accumulate: buffer={buffer!r} is not supported; expected None, True or False."
         )
     return buffer
 
@@ -147,8 +140,7 @@ def check_model(model: object, optimizer: torch.optim.Optimizer) -> torch.nn.Mod
         )
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(
-            "Accumulate: model is a TorchScript module, which cannot carry the forward hook that "
-            "counts at its outputs; expected an eager or torch.compile-d module, or no model=."
+            "Accumulate: a TorchScript model cannot be hooked; expected an eager or compiled one."
         )
     wrapped = {id(p) for p in _grads.params_of(optimizer.param_groups)}
     if not any(id(p) in wrapped for p in model.parameters()):
@@ -173,29 +165,25 @@ def check_flag(value: object, name: str) -> bool:
     """A bool, else TypeError naming ``name`` (a string or a number is not taken as True)."""
     if not isinstance(value, bool):
         raise TypeError(
-            f"Accumulate: {name}={value!r} is of type {type(value).__qualname__}; expected True "
-            "or False."
+            f"Accumulate: {name}={value!r} is a {type(value).__qualname__}; expected True or False."
         )
     return value
 
 
 def check_loss(loss: object, api: str) -> None:
     """A one-element real tensor that requires grad, else TypeError/ValueError naming ``api``."""
-    if not isinstance(loss, torch.Tensor):
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else None
+        what = type(loss).__qualname__ if shape is None else f"tensor of shape {shape}"
         raise TypeError(
-            f"{api}: loss is a {type(loss).__qualname__}; expected a one-element tensor that "
-            "requires grad (the micro-batch's summed loss when items= is given)."
-        )
-    if loss.numel() != 1:
-        raise TypeError(
-            f"{api}: loss is a tensor of shape {tuple(loss.shape)}; expected a one-element "
-            "tensor that requires grad. Reduce it with .sum() or .mean()."
+            f"{api}: loss is a {what}; expected a one-element tensor that requires grad (with "
+            "items=, the micro-batch's summed loss). Reduce a tensor with .sum() or .mean()."
         )
     if loss.is_complex() or not loss.requires_grad:
         why = f"is complex ({loss.dtype})" if loss.is_complex() else "does not require grad"
         raise ValueError(
-            f"{api}: the loss {why}; expected a one-element real tensor that requires grad (not "
-            "computed under torch.no_grad(), nor detached). Reduce it with .sum() or .mean()."
+            f"{api}: the loss {why}; expected a real tensor that requires grad (not computed under "
+            "torch.no_grad(), nor detached)."
         )
 
 
@@ -227,33 +215,25 @@ def check_count(count: object, what: str, covers: str, where: str = "") -> float
     """A finite number >= 0 (an item count), else ValueError naming ``what`` (and ``where``)."""
     if type(count) is int and count >= 0:  # the usual count: no abstract-class check
         return float(count)
-    if (
-        isinstance(count, bool)
-        or not isinstance(count, numbers.Real)
-        or not math.isfinite(float(count))
-        or count < 0
-    ):
+    real = not isinstance(count, bool) and isinstance(count, numbers.Real)
+    if not real or not 0 <= count < math.inf:  # type: ignore[operator]
         raise ValueError(
             f"{what}={count!r}{where} is not a finite number >= 0; expected the number of items "
             f"(samples or tokens) that {covers} covers."
         )
-    return float(count)
+    return float(count)  # type: ignore[arg-type]
 
 
 def check_fsdp(
     count_at: str, in_items: bool, every_step: bool, scaler: object, rollback: bool
 ) -> None:
     """Refuse what an FSDP2 model's sharded gradients cannot honour exactly."""
-    problems = [
-        (
-            count_at == "parameters",
-            "count_at='parameters' (sharded parameters are not in the graph)",
-        ),
+    for found, problem in [
+        (count_at == "parameters", "count_at='parameters' (sharded: not in the graph)"),
         (in_items and not every_step, "every_items without reduce_every_micro_step=True"),
         (scaler is not None, "a GradScaler"),
         (rollback, "the rollback buffer (buffer=True)"),
-    ]
-    for found, problem in problems:
+    ]:
         if found:
             raise ValueError(
                 f"Accumulate: an FSDP2 model with {problem} is not supported; expected every=N (or "
@@ -262,10 +242,9 @@ def check_fsdp(
 
 
 def framework_accumulating(closure: object = None) -> str | None:
-    """The framework that accumulates gradients itself around the wrapper (its own loss division
-    would make every update too small, so the wrapper refuses), or None: a Lightning Trainer with
-    ``accumulate_grad_batches > 1`` (seen in the closure it steps with), or a loop on Accelerate
-    (the HF Trainer's) whose gradient sync is off for this pass."""
+    """The framework accumulating gradients around the wrapper (its loss division would shrink
+    every update: refused), or None: a Lightning Trainer with ``accumulate_grad_batches > 1`` (in
+    the closure it steps with), or Accelerate (the HF Trainer's) with gradient sync off."""
     if isinstance(closure, functools.partial) and closure.args:
         trainer = getattr(closure.args[0], "_trainer", None)
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
@@ -280,7 +259,6 @@ def framework_accumulating(closure: object = None) -> str | None:
 def refuse_framework(framework: str) -> str:
     """The refusal for :func:`framework_accumulating`'s answer."""
     return (
-        f"Accumulate: {framework} accumulates gradients around the wrapper, dividing each loss by "
-        "its own step count: every update would be too small. Set the framework's accumulation "
-        "to 1 (the wrapper's every= sets the window) or use accumopt.integrations."
+        f"Accumulate: {framework} accumulates gradients around the wrapper: each update is too "
+        "small. Set its accumulation to 1 (every= sets the window), or use accumopt.integrations."
     )

@@ -1,7 +1,6 @@
 """Every cross-rank decision and collective of accumopt (DDP, FSDP2). In a window only the closing
-pass syncs gradients (or accumopt all-reduces the window once at the boundary). Each per-rank
-decision is first agreed by an all-gather of 3 float64 per rank on accumopt's own gloo group (two
-values, and the position: what, at which micro-step); ranks apart raise on every rank."""
+pass syncs gradients (or accumopt all-reduces the window once at the boundary); each per-rank
+decision is first agreed on accumopt's own gloo group (:meth:`GradSync._agree`)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from accumopt._counting import distributed
 from accumopt._state import Phase, Rules, State
 
 _Items = float | Tensor | None
+_Pair = tuple[float, float]
 
 # Positions in the window, stamped on every small collective
 _ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _OTHER = range(6)
@@ -76,17 +76,16 @@ class LocalSync:
     fsdp, rank, world_size, module = False, 0, 1, None
     synced = False  #: a process group exists: a DDP model not given to the wrapper syncs
 
-    def _nothing(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to do in one process."""
+    def _nothing(self, *args: Any, **kwargs: Any) -> None: ...  # nothing to do in one process
 
     plan = settle = release = restored = remove = drop_pending = _nothing
 
     def check_weighted(self) -> None:
         """Refuse items under several ranks without a DDP/FSDP2 model to sum them through."""
-        if distributed() and dist.get_world_size() > 1:
+        if distributed() and (n := dist.get_world_size()) > 1:
             raise ValueError(
-                f"Accumulate: items under {dist.get_world_size()} ranks, but no DDP/FSDP2 model to "
-                "sum them over. Call opt.set_model(ddp_model) (or pass model=); nothing changed."
+                f"Accumulate: items under {n} ranks, but no DDP/FSDP2 model to sum them over. "
+                "Call opt.set_model(ddp_model) (or pass model=); nothing changed."
             )
 
     def counted(self, items: _Items, state: State, rules: Rules) -> _Items:
@@ -95,7 +94,7 @@ class LocalSync:
     def close(self, buffer: WindowBuffer, params: list[Tensor], divisor: float | None) -> None:
         buffer.close(params, divisor)
 
-    def sum_over_ranks(self, a: float, b: float, what: str) -> tuple[float, float]:
+    def sum_over_ranks(self, a: float, b: float, what: str) -> _Pair:
         return a, b
 
 
@@ -105,9 +104,9 @@ def sync_for(model: nn.Module | None, device: torch.device, every_step: bool) ->
 
 
 class GradSync:
-    """The gradient sync of ``module`` (DDP, or an FSDP2 root; every micro-step with ``every_step``)
-    and every collective accumopt issues (tensors on ``device``): ``all_reduces`` counts those
-    with data; ``synced``: whether DDP/FSDP2 synchronised the last counted pass."""
+    """The gradient sync of ``module`` (DDP, an FSDP2 root; each micro-step if ``every_step``) and
+    accumopt's collectives on ``device`` (``all_reduces``: those with data; ``synced``: DDP/FSDP2
+    synchronised the last counted pass)."""
 
     def __init__(self, module: Any, device: torch.device, every_step: bool = False) -> None:
         self.fsdp = _is_fsdp(module)
@@ -158,8 +157,7 @@ class GradSync:
         elif self.every_step:
             self._planned = True
         else:
-            self._closing_planned = rules.next_closes(state) and grad_only()
-            self._planned = self._closing_planned
+            self._planned = self._closing_planned = rules.next_closes(state) and grad_only()
         self._set(self._planned)
 
     def before_forward(self) -> None:
@@ -234,16 +232,15 @@ class GradSync:
         elif not full or not (rules.in_items or checked):
             self._agree(where, state.micro_step)
 
-    def sum_over_ranks(self, a: float, b: float, what: str) -> tuple[float, float]:
+    def sum_over_ranks(self, a: float, b: float, what: str) -> _Pair:
         """``(a, b)`` summed over the ranks; RuntimeError on every rank if one is elsewhere."""
         return self._agree(_OTHER, 0, (a, b), what)
 
-    def _agree(
-        self, where: int, micro_step: int, values: tuple[float, float] | None = None, what: str = ""
-    ) -> tuple[float, float]:
-        """Sum ``values`` over the ranks in rank order (one all-gather of 3 float64 per rank;
-        None: only check); RuntimeError on every rank unless all are at this position."""
-        code = float(micro_step * len(_WHERE) + where)
+    def _agree(self, where: int, step: int, values: _Pair | None = None, what: str = "") -> _Pair:
+        """Sum ``values`` over the ranks in rank order (None: only check) by one all-gather of 3
+        float64 per rank (the values, and the position: what, at which micro-step); RuntimeError
+        on every rank unless all are at this position."""
+        code = float(step * len(_WHERE) + where)
         a, b = values or (0.0, 0.0)
         mine = torch.tensor([a, b, code], dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -290,7 +287,7 @@ class GradSync:
         """Sum same-shaped dense gradients over the ranks in place (one all-reduce per kind)."""
         if any(g.is_sparse for g in grads):
             raise RuntimeError(
-                "Accumulate: accumopt cannot sum sparse gradients over ranks; expected dense ones."
+                "Accumulate: cannot sum sparse gradients over ranks; expected dense."
             )
         for tensors in _grads.by_kind(grads).values():
             flat = _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
