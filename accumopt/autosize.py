@@ -1,10 +1,6 @@
-"""Find the largest micro-batch that fits, during training, from out-of-memory errors alone.
-
-The search keeps a bracket per input shape: the largest size that ran (``fits``) and the
-smallest that ran out of memory (``fails``). Without a failure it doubles, without a success
-it halves, with both it bisects, until the gap is within ``tolerance`` of ``fits``; only
-failed attempts cost work. After ``grow_after`` clean micro-steps at a settled size it probes
-25 % higher once, so a passing memory squeeze does not shrink the micro-batch for good."""
+"""Find the largest micro-batch that fits, during training, from out-of-memory errors alone: per
+input shape, double without a failure, halve without a success, else bisect between the largest
+size that ran and the smallest that failed (README: "One big batch")."""
 
 from __future__ import annotations
 
@@ -45,14 +41,13 @@ def describe_key(key: Hashable) -> str:
 def check_search(
     api: str, name: str, first: object, tolerance: object, grow_after: object, max_size: object
 ) -> None:
-    """Refuse nonsensical search settings: ValueError naming ``api`` and the argument (the
-    first size is called ``name``; the runner's ``"start_size"`` may be None)."""
-    optional = name == "start_size"
-    if not positive_int(first) and not (optional and first is None):
+    """ValueError naming ``api`` and the argument for a bad search setting (the first size is
+    called ``name``; the runner's ``"start_size"`` may be None)."""
+    none = ", or None to start at the whole batch" if name == "start_size" else ""
+    if not positive_int(first) and not (none and first is None):
         raise ValueError(
             f"{api}: {name}={first!r} is not an int >= 1; expected the first micro-batch size "
-            f"to try, in rows. Pass e.g. {name}=64"
-            + (", or None to start at the whole batch." if optional else ".")
+            f"to try, in rows. Pass e.g. {name}=64{none}."
         )
     if isinstance(tolerance, bool) or not (
         isinstance(tolerance, numbers.Real) and 0 <= float(tolerance) < 1  # NaN fails both
@@ -114,11 +109,9 @@ class MicroBatchSizer:
         )
 
     def _settled(self, b: _Bracket) -> bool:
-        return (
-            b.fits is not None
-            and b.fails is not None
-            and b.fails - b.fits <= max(1, math.floor(self.tolerance * b.fits))
-        )
+        if b.fits is None or b.fails is None:
+            return False
+        return b.fails - b.fits <= max(1, math.floor(self.tolerance * b.fits))
 
     def propose(self, key: Hashable, available: int) -> int:
         """The size to try next for inputs of shape ``key`` with ``available`` rows left."""
@@ -164,12 +157,10 @@ class MicroBatchSizer:
         b.fails, b.clean = size if b.fails is None else min(b.fails, size), 0
         if b.fits is not None and b.fits >= size:
             b.fits = None  # memory got scarcer: a size that used to run no longer does
-        logger.warning(
-            "out of memory at micro-batch size %d for inputs %s", size, describe_key(key)
-        )
+        shape = describe_key(key)
+        logger.warning("out of memory at micro-batch size %d for inputs %s", size, shape)
         if size <= 1:
             raise NoMicroBatchFits(
                 "accumopt: a micro-batch of 1 sample ran out of memory; nothing smaller fits. "
-                "Free memory (a smaller model, activation checkpointing, bf16 autocast, a "
-                "device with more memory) or shorten the inputs."
+                "Free memory (activation checkpointing, bf16 autocast) or shorten the inputs."
             )

@@ -1,9 +1,5 @@
-"""BatchNorm under micro-batching: a one-time warning, and a remedy for the running statistics.
-
-Accumulation is exact for models that treat samples independently; a training-mode BatchNorm
-normalises each micro-batch with its own (noisier) statistics and updates its running averages
-once per micro-batch. Remedies: micro-batches of >= 32 rows, GroupNorm/LayerNorm,
-``torch.nn.SyncBatchNorm``, and :func:`scale_batchnorm_momentum` for the running averages."""
+"""BatchNorm under micro-batching (each micro-batch normalised with its own statistics): a
+one-time warning, and a remedy for the running statistics (README: "One big batch")."""
 
 from __future__ import annotations
 
@@ -31,15 +27,14 @@ def warn_small_batchnorm(model: nn.Module | None, micro_batch_size: int) -> None
     if not names:
         return
     _warned.add(model)
-    warnings.warn(
+    message = (
         f"accumopt: micro-batches of {micro_batch_size} rows pass through {len(names)} "
-        f"BatchNorm layer(s) in training mode ({', '.join(names[:5])}...); each normalises with "
-        "its own micro-batch's statistics, so the update is no longer the full-batch update. "
-        "Use larger micro-batches, GroupNorm/LayerNorm, or SyncBatchNorm; "
-        "accumopt.batchnorm.scale_batchnorm_momentum keeps the running averages per window.",
-        UserWarning,
-        stacklevel=3,
+        f"BatchNorm layer(s) in training mode ({', '.join(names[:5])}...), each normalising with "
+        "its micro-batch's statistics, not the full batch's. Use larger micro-batches, "
+        "GroupNorm/LayerNorm or SyncBatchNorm; accumopt.batchnorm.scale_batchnorm_momentum "
+        "keeps the running averages per window."
     )
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def scale_batchnorm_momentum(model: nn.Module, micro_steps: int) -> None:

@@ -1,11 +1,6 @@
-"""The gradient noise scale, online, from the gradients an accumulation window already holds.
-
-McCandlish et al. 2018 (arXiv:1812.06162, App. A.1): the *simple noise scale* ``B_simple =
-tr(Σ)/|G|²`` (``G`` the true gradient, ``Σ`` the per-item covariance) predicts the critical
-batch size. As ``E|G_B|² = |G|² + tr(Σ)/B`` for ``B`` i.i.d. items, the squared norms of the
-gradients of a window's first micro-step (under DDP each rank's own) and of the whole window
-estimate both parts, each smoothed by a bias-corrected EMA. ``B`` counts items in weighted
-windows, else micro-batches over all ranks; the weights are assumed fixed within a window."""
+"""The gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al. 2018, App. A.1), online:
+as ``E|G_B|² = |G|² + tr(Σ)/B``, from the squared norms of a window's first micro-step's and the
+whole window's gradients. README: "Batch-size schedules and the gradient noise scale"."""
 
 from __future__ import annotations
 
@@ -49,9 +44,8 @@ class NoiseScale:
                 "many windows make one measured window (1: every window), or None."
             )
         self.decay, self.every_windows = decay, every_windows
-        self._seen = 0  # windows closed so far
+        self._seen, self._windows = 0, 0  # windows closed so far, and those that gave estimates
         self._since = self.MIN_MICRO_STEPS  # micro-steps since the last measured window began
-        self._windows = 0
         self._last: tuple[float, float] | None = None
         self._per_step: float | None = None
         self._sums = [0.0, 0.0, 0.0]  # decayed sums of tr(Σ), |G|² and of the weights
@@ -104,10 +98,8 @@ class NoiseScale:
         return math.nan if value is None else value
 
     def __repr__(self) -> str:
-        return (
-            f"NoiseScale(decay={self.decay!r}, every_windows={self.every_windows}, "
-            f"value={self.value!r}, windows={self.windows})"
-        )
+        args = f"decay={self.decay!r}, every_windows={self.every_windows}"
+        return f"NoiseScale({args}, value={self.value!r}, windows={self.windows})"
 
     def _read(self) -> None:
         """Fold the closed window's norms into the averages (one host sync)."""
@@ -154,8 +146,7 @@ class NoiseScale:
             fresh = NoiseScale(state["decay"], state.get("every_windows"))  # checks both
             fresh._windows, fresh._seen = int(state["windows"]), int(state.get("seen", 0))
             fresh._since = int(state.get("since", NoiseScale.MIN_MICRO_STEPS))
-            sums = state["sums"]
-            fresh._sums = [float(sums[0]), float(sums[1]), float(sums[2])]
+            fresh._sums = [float(state["sums"][i]) for i in range(3)]
             last, fresh._per_step = state["last"], state["batch_per_micro_step"]
             fresh._last = None if last is None else (float(last[0]), float(last[1]))
             per_step = 1.0 if fresh._per_step is None else fresh._per_step
@@ -180,8 +171,7 @@ class NoiseScale:
         if opt.reduce_every_micro_step:
             raise ValueError(
                 "Accumulate: noise_scale with reduce_every_micro_step=True is not supported; "
-                "expected one sync per update (the estimate needs each rank's own gradient of "
-                "a window's first micro-step)."
+                "expected one sync per update (each rank's own first micro-step is measured)."
             )
         opt.register_micro_step_hook(self._micro_step)
         opt.register_window_hook(self._window_closed)
@@ -247,8 +237,7 @@ class SquaredNorm:
     devices) divided by ``loss_scale²`` (AMP's scale, a 0-dim tensor, or None): a 0-dim tensor
     on the first gradient's device, float64 if a gradient is, else float32; no host sync;
     RuntimeError for a complex gradient. Small dense CPU gradients are stacked by shape and
-    dotted (a norm per tensor costs ~1.5 us on a CPU), the others take ``torch._foreach_norm``;
-    the grouping is planned per gradient count: one instance per model."""
+    dotted, the others take ``torch._foreach_norm``; one instance per model (plans per count)."""
 
     def __init__(self) -> None:
         self._plans: dict[int, list[Callable[[list[Tensor]], Any]] | None] = {}

@@ -3,7 +3,6 @@ with ``"auto"``, find the largest one that fits from OOM errors, losing or repea
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeAlias
@@ -14,14 +13,11 @@ from torch import Tensor, nn
 from accumopt import _tree
 from accumopt._checks import check_count, check_count_tensor, positive_int
 from accumopt.accumulate import Accumulate
-from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key
+from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key, logger
 from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.oom import free_memory, is_oom, memory_report
 
-logger = logging.getLogger("accumopt")
-
 Scaler: TypeAlias = "torch.amp.GradScaler | None"
-Mark: TypeAlias = "tuple[int, float, int, int, dict[str, Any] | None]"
 
 NOT_TRAINED = (
     "The micro-batches before this one were trained; this one and the rest of the batch were not."
@@ -31,22 +27,16 @@ NOT_TRAINED = (
 class MicroBatchRunner:
     """Forward and backward a large batch in micro-batches, feeding an ``Accumulate`` wrapper.
 
-    Each call processes every row once, in order; the wrapper updates at its window's end. A
-    micro-batch is cut where a window in items fills at one item per row, so ``every_items=N``
-    means N rows per update (over all ranks) whatever the size. The wrapper's ``scaler``, if
-    any, scales and steps. With ``"auto"``, an attempt that runs out of memory leaves no trace:
-    its gradient is dropped and the model's buffers and the default CPU and CUDA generators are
-    restored, as if the final sizes had run from the start. A window opened at a size proven
-    for these inputs skips the rollback buffer (one rank, no scaler): an OOM reruns it whole.
+    Each call processes every row once, in order, the wrapper's ``scaler`` (if any) scaling
+    and stepping; a micro-batch is cut where the window in items fills (``every_items=N``: N
+    rows per update over all ranks). ``"auto"`` and its rollback: README, "One big batch".
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
         >>> opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=32)
         >>> def loss_fn(batch):  # the micro-batch's mean loss, as torch's losses return it
         ...     return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-        >>> runner = MicroBatchRunner(
-        ...     opt, loss_fn, micro_batch_size="auto", loss_reduction="mean", model=model
-        ... )
+        >>> runner = MicroBatchRunner(opt, loss_fn, loss_reduction="mean", model=model)  # "auto"
         >>> mean_loss = runner((torch.randn(32, 4), torch.randn(32, 1)))  # one update
         >>> opt.updates, runner.ooms
         (1, 0)
@@ -59,8 +49,7 @@ class MicroBatchRunner:
             the rows) or ``(loss, items, outputs)``. The runner runs the backward pass.
         micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``.
         device: where micro-batches run (None: where they are), copied without blocking.
-        loss_reduction: required: ``"mean"`` (torch's convention): ``loss`` is the mean over
-            its items; ``"sum"``: their sum. Either way each micro-batch weighs by its items.
+        loss_reduction: required: ``"mean"`` (``loss`` is the mean over its items) or ``"sum"``.
         model: the module ``loss_fn`` runs: its buffers are restored after a failed attempt
             (default: the wrapper's), and small micro-batches through its BatchNorm warn once.
         start_size, tolerance, grow_after, max_size: the ``"auto"`` search
@@ -94,22 +83,19 @@ class MicroBatchRunner:
         auto = micro_batch_size == "auto"
         if auto and optimizer.every is not None:
             raise ValueError(
-                f"MicroBatchRunner: micro_batch_size='auto' over Accumulate(every="
-                f"{optimizer.every}) would make the rows per update follow the size search; "
-                "expected Accumulate(..., every_items=N), or a fixed micro_batch_size."
+                f"MicroBatchRunner: micro_batch_size='auto' with every={optimizer.every}; expected "
+                "Accumulate(..., every_items=N) (fixed rows per update), or a fixed size."
             )
-        if not auto and not positive_int(micro_batch_size):
+        if not auto and not positive_int(size := micro_batch_size):
             raise ValueError(
-                f"MicroBatchRunner: micro_batch_size={micro_batch_size!r}; expected an int >= 1 "
-                "or 'auto'."
+                f"MicroBatchRunner: micro_batch_size={size!r}; expected an int >= 1 or 'auto'."
             )
         if loss_reduction not in ("mean", "sum"):
             error = TypeError if loss_reduction is None else ValueError
             given = " is required" if loss_reduction is None else f"={loss_reduction!r} is unknown"
             raise error(
-                f"MicroBatchRunner: loss_reduction{given}; expected 'mean' if loss_fn returns the "
-                "micro-batch's mean loss (torch's default) or 'sum' if its summed loss (the 0.1 "
-                "default). A wrong one scales every update by the items."
+                f"MicroBatchRunner: loss_reduction{given}; expected 'mean' (loss_fn returns the "
+                "micro-batch's mean loss, torch's default) or 'sum' (its summed loss, 0.1's)."
             )
         check_search("MicroBatchRunner", "start_size", start_size, tolerance, grow_after, max_size)
         self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
@@ -139,19 +125,17 @@ class MicroBatchRunner:
         return [(describe_key(key), size, why) for key, size, why in changes]
 
     def __call__(self, batch: Any, *, return_outputs: bool = False) -> Any:
-        """Process every row of ``batch`` once; return the mean loss over its items (detached,
-        of the losses' shape and device), or ``(mean, outputs)`` with ``return_outputs``: the
-        outputs of ``loss_fn`` concatenated. ``batch``: a tensor or nesting of tensors sharing
-        dim 0 (any device), other leaves passed to every micro-batch.
+        """Process every row of ``batch`` (a tensor or nesting of tensors sharing dim 0, any
+        device; other leaves go to every micro-batch) once; return the mean loss over its items
+        (detached, of the losses' shape and device), or ``(mean, outputs)`` with
+        ``return_outputs`` (the outputs of ``loss_fn`` concatenated).
 
         Raises:
-            RuntimeError: the wrapper refuses (a failed pass: ``opt.discard()``), or its
-                window waits for ``step()``.
-            NoMicroBatchFits: with ``"auto"``, a micro-batch of one row ran out of memory.
+            RuntimeError: the wrapper refuses (``opt.discard()``), or its window waits for
+                ``step()``. NoMicroBatchFits: with ``"auto"``, one row ran out of memory.
             TypeError, ValueError: an empty or ragged batch; a ``loss_fn`` result that
                 cannot be counted or joined (the micro-batches before it were trained).
-            Others propagate; with ``"auto"`` the buffers and generators are as before the
-            failed micro-batch (or its window, dropped, if it ran without rollback).
+            Others propagate; with ``"auto"`` the buffers and generators are restored.
         """
         opt = self.optimizer
         opt.check_usable("MicroBatchRunner")
@@ -271,7 +255,8 @@ class MicroBatchRunner:
 
     def _snapshot(self, totals: _Totals) -> Callable[[], None]:
         """Save ``totals``, the buffers and the CPU and CUDA generators; return what restores."""
-        mark = totals.mark()
+        t = totals
+        mark = len(t.losses), t.items, t.rows, len(t.outputs), t.reference
         model = self.model if self.model is not None else self.optimizer.model
         named = list(model.named_buffers()) if model is not None else []
         saved = [(name, buf, buf.detach().clone()) for name, buf in named]
@@ -279,7 +264,8 @@ class MicroBatchRunner:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
 
         def restore() -> None:
-            totals.truncate(mark)
+            losses, t.items, t.rows, outputs, t.reference = mark
+            del t.losses[losses:], t.seeds[losses:], t.outputs[outputs:], t.sizes[outputs:]
             current = dict(model.named_buffers()) if model is not None else {}
             with torch.no_grad():
                 for name, buf, copy in saved:
@@ -295,8 +281,7 @@ class MicroBatchRunner:
 
 def _room(opt: Accumulate, rows: int) -> int:
     """Of ``rows``, those (>= 1) that fill the window in items at one item per row per rank."""
-    size = opt.every_items
-    if size is None:
+    if (size := opt.every_items) is None:
         return rows
     return min(rows, max(1, math.ceil((size - float(opt.items)) / float(opt.world_size))))
 
@@ -314,12 +299,25 @@ def _pieces(rows_of: _tree.RowSlicer, size: int, opt: Accumulate) -> Iterator[tu
 
 
 def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
-    """``loss_fn``'s result as (loss, items, outputs), refusing what cannot be counted."""
+    """``loss_fn``'s result as (loss, items, outputs), refusing what cannot be counted (an items
+    tensor is read once: a sync)."""
     items: float
     if isinstance(result, Tensor):
         loss, items, out = result, rows, None  # an int: the wrapper's quickest count
     elif isinstance(result, tuple) and len(result) in (2, 3):
-        loss, items, out = result[0], _count(result[1]), (result[2] if len(result) == 3 else None)
+        loss, n, out = result[0], result[1], (result[2] if len(result) == 3 else None)
+        what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
+        try:
+            if not isinstance(n, Tensor):
+                items = check_count(n, what, covers, ", which")
+            else:
+                check_count_tensor(n, f"{what}={_tree.short(n)}, which")
+                items = check_count(n.item(), what, covers, f" (read from {_tree.short(n)}), which")
+        except ValueError as err:
+            raise ValueError(
+                f"{err} Return (loss, items), items a number or a one-element tensor (e.g. "
+                f"mask.sum()). {NOT_TRAINED}"
+            ) from None
     else:
         raise TypeError(
             f"MicroBatchRunner: loss_fn returned a {type(result).__qualname__}; expected a loss "
@@ -328,8 +326,8 @@ def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"MicroBatchRunner: loss_fn returned loss={_tree.short(loss)}, a "
-            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad. "
-            f"Return the loss tensor itself, not loss.item(). {NOT_TRAINED}"
+            f"{type(loss).__qualname__}; expected a one-element tensor that requires grad, not "
+            f"loss.item(). {NOT_TRAINED}"
         )
     if loss.numel() != 1 or not loss.requires_grad:
         wrong = "that does not require grad (computed under torch.no_grad() or detached)"
@@ -337,25 +335,10 @@ def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
             wrong = f"of shape {tuple(loss.shape)}"
         raise ValueError(
             f"MicroBatchRunner: loss_fn returned loss={_tree.short(loss)}, a tensor {wrong}; "
-            "expected a one-element tensor that requires grad. Reduce it (.mean(), or .sum() "
-            f"with loss_reduction='sum') and keep autograd on. {NOT_TRAINED}"
+            "expected a one-element tensor that requires grad (.mean(), or .sum() with "
+            f"loss_reduction='sum'; autograd on). {NOT_TRAINED}"
         )
     return loss, items, out
-
-
-def _count(items: object) -> float:
-    """``loss_fn``'s item count as a float, or ValueError (a tensor is read once: a sync)."""
-    what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
-    try:
-        if not isinstance(items, Tensor):
-            return check_count(items, what, covers, ", which")
-        check_count_tensor(items, f"{what}={_tree.short(items)}, which")
-        return check_count(items.item(), what, covers, f" (read from {_tree.short(items)}), which")
-    except ValueError as err:
-        raise ValueError(
-            f"{err} Return (loss, items) with items a Python number or a one-element tensor "
-            f"(e.g. mask.sum()). {NOT_TRAINED}"
-        ) from None
 
 
 def _joined(out: Any, reference: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -366,8 +349,7 @@ def _joined(out: Any, reference: dict[str, Any] | None) -> dict[str, Any] | None
     if reference is not None and leaves.keys() != reference.keys():
         raise ValueError(
             "MicroBatchRunner: loss_fn returned outputs nested differently from the first "
-            "micro-batch's (other keys or leaves); expected one structure for every "
-            f"micro-batch with return_outputs=True. {NOT_TRAINED}"
+            f"micro-batch's; expected one structure (return_outputs=True). {NOT_TRAINED}"
         )
     for path, leaf in leaves.items():
         was = leaf if reference is None else reference[path]
@@ -380,9 +362,8 @@ def _joined(out: Any, reference: dict[str, Any] | None) -> dict[str, Any] | None
             what = f"of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "no tensor"
             raise ValueError(
                 f"MicroBatchRunner: loss_fn returned outputs with {path} {what}, which cannot "
-                f"be concatenated along dim 0 with the earlier micro-batches' {tuple(was.shape)};"
-                " expected the same shape past dim 0 in every micro-batch (pad to one width, "
-                f"or return PerSample(list(...))). {NOT_TRAINED}"
+                f"be concatenated along dim 0 with the earlier {tuple(was.shape)}; expected one "
+                f"shape past dim 0 (pad, or return PerSample(list(...))). {NOT_TRAINED}"
             )
         try:
             _tree.check(path, leaf, "MicroBatchRunner")
@@ -417,19 +398,11 @@ class _Totals:
         self.losses.append(loss)
         if seed is not None:
             self.seeds.append(seed)
-        self.items += items
-        self.rows += rows
+        self.items, self.rows = self.items + items, self.rows + rows
         if self.keep and out is not None:
             self.outputs.append(out)
             self.sizes.append(rows)
             self.reference = _joined(out, self.reference)
-
-    def mark(self) -> Mark:
-        return len(self.losses), self.items, self.rows, len(self.outputs), self.reference
-
-    def truncate(self, mark: Mark) -> None:
-        losses, self.items, self.rows, outputs, self.reference = mark
-        del self.losses[losses:], self.seeds[losses:], self.outputs[outputs:], self.sizes[outputs:]
 
     def result(self) -> Any:
         losses, seeds = self.losses, self.seeds  # a batch has >= 1 row: >= 1 micro-batch

@@ -1,7 +1,5 @@
-"""Window schedules: ``Accumulate(opt, every=schedule)`` (micro-steps per update) or
-``every_items=schedule`` (items per update) takes any callable ``f(updates, items_seen) -> size``
-of the updates applied so far and their items over all ranks (0 with plain ``loss.backward()``),
-asked when a window opens. A checkpoint holds the position, not the schedule: reuse it."""
+"""Window schedules for ``every=`` (micro-steps) or ``every_items=`` (items): any callable
+``f(updates, items_seen) -> size``, asked when a window opens (README: "Batch-size schedules")."""
 
 from __future__ import annotations
 
@@ -59,10 +57,8 @@ class LinearRamp(Schedule):
             )
         over = float(over_updates if over_updates is not None else over_items)  # type: ignore[arg-type]
         if not (over > 0 and start > 0 and end > 0 and increment > 0):
-            raise ValueError(
-                f"LinearRamp: start={start!r}, end={end!r}, increment={increment!r}, "
-                f"over={over!r}; expected all > 0."
-            )
+            values = f"start={start!r}, end={end!r}, increment={increment!r}, over={over!r}"
+            raise ValueError(f"LinearRamp: {values}; expected all > 0.")
         super().__init__(minimum=min(start, end), maximum=max(start, end))
         self.start, self.end, self.increment, self.over = start, end, increment, over
         self.by = "updates" if over_updates is not None else "items"
@@ -76,10 +72,8 @@ class LinearRamp(Schedule):
         return self.start + math.copysign(steps * self.increment, span)
 
     def __repr__(self) -> str:
-        return (
-            f"LinearRamp({self.start!r}, {self.end!r}, over_{self.by}={self.over:g}, "
-            f"increment={self.increment!r})"
-        )
+        over = f"over_{self.by}={self.over:g}"
+        return f"LinearRamp({self.start!r}, {self.end!r}, {over}, increment={self.increment!r})"
 
 
 class StepSchedule(Schedule):
@@ -105,13 +99,11 @@ class StepSchedule(Schedule):
             if not (v > 0 and (per_micro_step == 1 or size.is_integer())):
                 raise ValueError(
                     f"StepSchedule: size {v:g} is not a positive multiple of per_micro_step="
-                    f"{per_micro_step!r}; expected batch sizes that a whole number of "
-                    "micro-steps holds."
+                    f"{per_micro_step!r}; expected whole numbers of micro-steps."
                 )
         super().__init__(minimum=min(sizes), maximum=max(sizes))
         self.steps, self.by, self.per_micro_step = steps, by, per_micro_step
-        self._thresholds = thresholds
-        self._sizes = [int(v) if v.is_integer() else v for v in sizes]
+        self._thresholds, self._sizes = thresholds, [int(v) if v.is_integer() else v for v in sizes]
 
     @classmethod
     def parse(cls, text: str, *, by: str = "items", per_micro_step: float = 1) -> StepSchedule:
@@ -142,8 +134,7 @@ class AdaptiveBatch(Schedule):
     ``maximum`` (micro-steps with ``every=``, items with ``every_items=``), never shrinking:
     from ``warmup`` updates on, every ``every_updates`` updates, to ``fraction *
     opt.noise_scale.value`` (in micro-steps: divided by the last window's batch per micro-step),
-    at most ``growth`` times the current size. The wrapper turns ``NoiseScale()`` on if needed.
-    ValueError unless 0 < minimum <= maximum, fraction > 0, growth > 1, every_updates >= 1."""
+    at most ``growth`` times the current size (``NoiseScale()`` on if needed); else ValueError."""
 
     def __init__(
         self,
@@ -158,8 +149,8 @@ class AdaptiveBatch(Schedule):
         if not (0 < minimum <= maximum and fraction > 0 and growth > 1 and every_updates >= 1):
             raise ValueError(
                 f"AdaptiveBatch: minimum={minimum!r}, maximum={maximum!r}, growth={growth!r}, "
-                f"fraction={fraction!r}, every_updates={every_updates!r}; expected "
-                "0 < minimum <= maximum, fraction > 0, growth > 1, every_updates >= 1."
+                f"fraction={fraction!r}, every_updates={every_updates!r}; expected 0 < minimum "
+                "<= maximum, fraction > 0, growth > 1, every_updates >= 1."
             )
         super().__init__(minimum=minimum, maximum=maximum)
         self.fraction, self.growth = fraction, growth

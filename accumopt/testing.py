@@ -61,17 +61,14 @@ def simulate_oom(
     kind: Literal["cuda", "cpu"] = "cuda",
 ) -> SimulatedOOM:
     """Make ``module`` run out of memory on micro-batches of more than ``limit`` (>= 0) rows
-    (dim 0 of its first tensor argument, TypeError if none) until the hooks are removed::
-
-        with simulate_oom(model, 40) as sim:   # hooks removed when the block ends
-            runner(batch)
+    (dim 0 of its first tensor argument, TypeError if none) until the hooks are removed (the end
+    of ``with simulate_oom(model, 40) as sim:``, or ``sim.remove()``).
 
     Args:
         where: ``"forward"``: raise when ``module`` is called; ``"backward"``: raise in the
             backward pass when the gradient reaches the output of ``at`` (default ``module``),
             after the layers behind it wrote their ``.grad``.
-        kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` the ``RuntimeError`` of
-            torch's CPU allocator.
+        kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` the CPU allocator's error.
 
     Returns the record (:class:`SimulatedOOM`); ValueError for bad arguments.
     """
@@ -87,21 +84,15 @@ def simulate_oom(
         for value in values:
             if isinstance(value, Tensor) and value.dim() > 0:
                 return int(value.shape[0])
-        raise TypeError(
-            "simulate_oom: the module was called without a tensor argument; expected a batch "
-            "tensor (its dim 0 is the micro-batch size)."
-        )
+        raise TypeError("simulate_oom: no tensor argument; expected a batch tensor (dim 0: rows).")
 
     def fail(rows: int) -> None:
         record.raised.append(rows)
+        end = f"{rows} rows > limit {limit}"
         if kind == "cpu":
-            raise RuntimeError(
-                "[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory: "
-                f"simulated, {rows} rows > limit {limit}"
-            )
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory (simulated by accumopt.testing): {rows} rows > limit {limit}"
-        )
+            cpu = "[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"
+            raise RuntimeError(f"{cpu}: simulated, {end}")
+        raise torch.OutOfMemoryError(f"CUDA out of memory (simulated by accumopt.testing): {end}")
 
     def check(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         rows = rows_of([*args, *kwargs.values()])
@@ -127,19 +118,16 @@ class RankFailed(RuntimeError):
 def run_ranks(
     target: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 120
 ) -> list[Any]:
-    """Run ``target(rank, *args)`` in ``world_size`` fresh processes joined in a gloo group
-    (a file store in a temporary folder, collectives timing out after ``timeout_s`` seconds);
-    the results in rank order. The children are daemons, killed if they outlive the call.
-    ``target`` must be a module-level function and its result picklable without shared memory
+    """Run ``target(rank, *args)`` in ``world_size`` fresh processes (daemons) joined in a gloo
+    group (a file store, collectives timing out after ``timeout_s`` seconds); the results in rank
+    order. ``target``: a module-level function, its result picklable without shared memory
     (``tensor.tolist()``, not tensors). Raises :class:`RankFailed` (the first failing rank), or
     ``queue.Empty`` if no result came within ``2 * timeout_s`` seconds."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx, ranks = multiprocessing.get_context("spawn"), range(world_size)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        config = (world_size, os.path.join(tmp, "store"), timeout_s, target, args, queue)
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, config), daemon=True) for r in range(world_size)
-        ]
+        cfg = (world_size, os.path.join(tmp, "store"), timeout_s, target, args, queue)
+        procs = [ctx.Process(target=_rank_main, args=(r, cfg), daemon=True) for r in ranks]
         try:
             for p in procs:
                 p.start()
