@@ -86,6 +86,7 @@ class AccumulateTrainer(Trainer):
         self._hook: Any = None  # on it while train() runs: no update but the Trainer's
         self._skip = 0  # micro-batches of a resumed window that the loaded window holds
         self._reload: dict[str, Any] | None = None  # that window, loaded at the first batch
+        self._resumed_from = ""  # the checkpoint it came from (its RNG state)
         if self.optimizer is not None:
             self.optimizer = self.callback_handler.optimizer = self._wrap(self.optimizer)
 
@@ -216,10 +217,13 @@ class AccumulateTrainer(Trainer):
                 f"AccumulateTrainer: args.gradient_accumulation_steps changed to {steps}; "
                 f"expected the wrapper's every={opt.every}. Build the trainer anew."
             )
-        if self._reload is not None:  # after the Trainer's model.zero_grad() at the start
-            opt.load_state_dict(self._reload)
-            self._reload, self._skip = None, opt.micro_step
+        reload, self._reload = self._reload, None
+        if reload is not None:  # after the Trainer's model.zero_grad() at the start
+            opt.load_state_dict(reload)
+            self._skip = opt.micro_step
         batches = list(itertools.islice(epoch_iterator, num_batches))
+        if reload is not None:  # the saved RNG state follows the window's fetch (the Trainer
+            self._load_rng_state(self._resumed_from)  # restores it before an epoch's first)
         self._window_items = float(sum(self.count_items(b) for b in batches[self._skip :]))
         return batches, None
 
@@ -300,6 +304,7 @@ class AccumulateTrainer(Trainer):
             load = functools.partial(super()._load_optimizer_and_scheduler, checkpoint)
             rank, opt = self.args.process_index, self.accumulate
             self._reload = _resume_window(opt, checkpoint, rank, where, load)
+            self._resumed_from = checkpoint
 
 
 class _Boundary:
