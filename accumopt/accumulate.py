@@ -1,9 +1,8 @@
 """Gradient accumulation as an optimizer wrapper: ``Accumulate(optimizer, every=N)``.
 
-The window lives in one record (:class:`~accumopt._state.State`, with a ``Phase``). A call that
-changes several of its fields sets the phase to BROKEN first and the final phase last, so an
-exception or interrupt in between leaves a wrapper that refuses every call but ``discard()`` and
-``load_state_dict()``, never a half-changed one."""
+The window lives in one record (``_state.State``). A call changing several of its fields sets
+the phase to BROKEN first and the final phase last: an exception or interrupt in between leaves
+a wrapper refusing all but ``discard()`` and ``load_state_dict()``, never a half-changed one."""
 
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accumopt import _checkpoint, _checks, _grads
 from accumopt._buffer import WindowBuffer
+from accumopt._checks import framework_accumulating
 from accumopt._counting import COMPILED_AUTOGRAD, GROUP, PENDING, Counter, distributed
 from accumopt._guard import Guard
 from accumopt._state import Phase, Rules, SizeFn, State, Window
@@ -64,26 +64,16 @@ _NOT_OPEN = {
 class Accumulate(torch.optim.Optimizer):
     """Wrap any ``torch.optim.Optimizer`` so that it steps once per window of micro-batches.
 
-    Example::
-
-        opt = Accumulate(torch.optim.AdamW(model.parameters(), lr=3e-4), every=8)
-        for x, y in loader:                      # micro-batches
-            F.cross_entropy(model(x), y).backward()
-            opt.step()        # the inner optimizer steps on every 8th backward pass only
-            opt.zero_grad()   # clears .grad only between windows
-
-    Each backward pass into a wrapped parameter is one micro-step. When the window completes,
-    ``.grad`` holds its gradient (the mean over micro-steps; with items, the summed loss
-    divided by the window's items; the sum for ``reduction="sum"``) and :attr:`will_update`
-    is True; :meth:`step` clips and steps the inner optimizer.
+    Each backward pass into a wrapped parameter is one micro-step; the loop stays as it was
+    (README: "Quick start", "How it works, in plain words").
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` but LBFGS; its ``param_groups``, ``state`` and
             ``defaults`` are shared (schedulers, clipping and checkpoints work unchanged).
-        every: micro-steps per update (int >= 1), or ``every_items``: items per update (a
-            number > 0); either may be a schedule ``f(updates, items_seen) -> size``
-            (:mod:`accumopt.schedules`).
-        reduction: ``"mean"`` (default) or ``"sum"`` (summed gradients).
+        every: micro-steps per update (int >= 1), or ``every_items``: items per update (> 0);
+            either may be a schedule ``f(updates, items_seen) -> size`` (:mod:`accumopt.schedules`).
+        reduction: ``"mean"`` (default: the mean over micro-steps; with items, the summed loss
+            over the window's items) or ``"sum"`` (summed gradients).
         max_grad_norm: clip the window's unscaled gradient to this 2-norm before the step
             (``inf``: measure only, :attr:`last_window`); may be set between steps.
         scaler: the ``GradScaler`` of a loop that calls ``scaler.step(opt)`` every micro-step
@@ -92,27 +82,21 @@ class Accumulate(torch.optim.Optimizer):
             True: of every parameter (a failed micro-batch can be dropped alone); False: never.
         nonfinite: None (unchecked) or ``"skip_window"``: a window with an inf/NaN gradient is
             dropped without an update (one host sync per window).
-        model: the model the losses come from: passes are counted at its outputs (one hook per
-            forward call); with DDP or FSDP2, one gradient sync per update, items summed over
-            the ranks.
+        model: the model the losses come from (passes are counted at its outputs); with DDP or
+            FSDP2, one gradient sync per update and items summed over the ranks.
         reduce_every_micro_step: synchronise every micro-step, not only the closing one.
-        noise_scale: True or a :class:`accumopt.noise.NoiseScale`: estimate the gradient noise
-            scale from the windows.
+        noise_scale: True or a :class:`accumopt.noise.NoiseScale`: estimate the noise scale.
 
     Attributes:
         optimizer: the inner optimizer. last_window (:class:`~accumopt._state.Window` | None):
             the last boundary. noise_scale: the estimator, or None. driven_by (str | None): the
-            framework whose loop cuts the windows (set by accumopt's integrations); while None,
-            a framework's own accumulation (Lightning's ``accumulate_grad_batches``, the HF
-            Trainer's ``gradient_accumulation_steps``) is refused at the first micro-step.
+            framework cutting the windows (set by integrations; None: framework accumulation is
+            refused, README "Using accumopt with your framework").
 
     Raises:
         TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not a
             ``GradScaler``; ``model`` not an ``nn.Module``; a flag not a bool.
-        ValueError: a setting out of range, or a combination accumopt cannot honour exactly.
-
-    References: optax ``MultiSteps``; Megatron-LM ``calculate_per_token_loss``; PyTorch AMP
-    examples ("Gradient accumulation")."""
+        ValueError: a setting out of range, or a combination accumopt cannot honour exactly."""
 
     _step_supports_amp_scaling = True  # GradScaler.step hands us grad_scale and found_inf
     _accumopt_wrapper = True
@@ -196,18 +180,15 @@ class Accumulate(torch.optim.Optimizer):
     )
     will_update = property(
         lambda self: self._state.phase is CLOSED,
-        doc="True from the end of the pass that closes the window until step(): the next "
-        "step() applies the update (under AMP, unless the window saw an inf/NaN).",
+        doc="True from the closing pass until step(), which updates (under AMP: unless inf/NaN).",
     )
     updates = property(lambda self: self._state.updates, doc="Inner steps applied so far.")
     did_update = property(
         lambda self: self._state.did_update,
-        doc="Whether the last step() or flush() applied an update (False again once the next "
-        "micro-step is counted).",
+        doc="Whether the last step() or flush() applied an update (reset at the next micro-step).",
     )
     weighted = property(
-        lambda self: self._state.weighted,
-        doc="Whether the window's micro-steps carry items (None while it is empty).",
+        lambda self: self._state.weighted, doc="Whether micro-steps carry items (None: none yet)."
     )
     phase = property(lambda self: self._state.phase, doc="The window's phase (_state.Phase).")
     world_size = property(lambda self: self._sync.world_size, doc="DDP/FSDP2 ranks (1 without).")
@@ -223,31 +204,23 @@ class Accumulate(torch.optim.Optimizer):
         return self._listed or self._params()
 
     def backward(
-        self,
-        loss: Tensor,
-        items: float | Tensor | None = None,
-        *,
-        hold: bool = False,
-        **kwargs: Any,
+        self, loss: Tensor, items: float | Tensor | None = None, *, hold: bool = False, **kw: Any
     ) -> None:
-        """Run ``loss.backward(**kwargs)`` as exactly one micro-step, weighted by ``items``.
+        """Run ``loss.backward(**kw)`` as exactly one micro-step, weighted by ``items``.
 
         Args:
             loss: a one-element real tensor that requires grad (under AMP ``scaler.scale(loss)``);
-                with ``items``, the micro-batch's *summed* loss. A pass reaching no wrapped
-                parameter still counts.
-            items: how many items (samples, tokens) ``loss`` covers: a number >= 0 or a
-                one-element tensor (in a window counted in micro-steps, read without a host sync
-                and checked when the window closes; in one counted in items, read at once).
-            hold: leave the micro-step uncounted (phase HELD) until :meth:`commit` counts it or
-                :meth:`drop_micro_step` drops it (``MicroBatchRunner``: the DDP ranks agree first).
-            **kwargs: forwarded to ``Tensor.backward``.
+                with ``items``, the *summed* loss. A pass reaching no wrapped parameter counts.
+            items: the items (samples, tokens) ``loss`` covers: a number >= 0 or a one-element
+                tensor (read at the close without a host sync, unless the window is in items).
+            hold: leave the micro-step uncounted (phase HELD) until :meth:`commit` or
+                :meth:`drop_micro_step`. **kw: forwarded to ``Tensor.backward``.
 
         Raises:
             TypeError / ValueError: a bad ``loss`` or ``items``; weighted and unweighted
                 micro-steps mixed; a window in items without ``items``.
             RuntimeError: the window is complete and waits for :meth:`step`; an earlier call
-                or pass failed part-way. Nothing is accumulated by a refused call."""
+                or pass failed part-way. A refused call accumulates nothing."""
         _checks.check_loss(loss, "Accumulate.backward")
         if hold is not False and hold is not True:
             _checks.check_flag(hold, "hold")
@@ -256,7 +229,7 @@ class Accumulate(torch.optim.Optimizer):
         if weight is not None:
             PENDING.set(weight, self)
         try:
-            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            loss.backward(**kw)  # type: ignore[no-untyped-call]
             if self._passes == seen and self._state.phase is OPEN:  # reached nothing watched
                 self._end_pass(OPEN, weight)
         finally:
@@ -265,10 +238,8 @@ class Accumulate(torch.optim.Optimizer):
             self._hold = False
 
     def next_items(self, items: float | Tensor) -> None:
-        """Say that the next backward pass, one accumopt does not run (``accelerator.backward``,
-        Lightning's ``manual_backward``), covers ``items`` items: that pass is then a micro-step
-        weighted like ``opt.backward(loss_sum, items=items)`` for every wrapper it reaches, and
-        its loss must be the *summed* loss.
+        """Weight the next backward pass, one accumopt does not run (``accelerator.backward``),
+        by ``items`` in every wrapper it reaches, as ``backward(loss_sum, items)``: a summed loss.
 
         Raises:
             ValueError: bad ``items``; a count already waits for its pass (:meth:`discard` drops
@@ -299,8 +270,7 @@ class Accumulate(torch.optim.Optimizer):
         """The end of a backward pass (the counter's callback, or :meth:`backward`'s for one that
         reached nothing watched; ``before``: the phase it found): count, hold or break on it."""
         self._passes += 1
-        s = self._state
-        group = GROUP.members
+        s, group = self._state, GROUP.members
         if before is HELD and group is not None and any(m is self for m in group):
             s.phase = HELD  # one more pass of the block's micro-step
             self._guard.passed(2 if self._sync.synced else 1)
@@ -310,12 +280,8 @@ class Accumulate(torch.optim.Optimizer):
             problem = RuntimeError, _NOT_OPEN[before]
         elif (refusal := self._rules.refusal(s, items is not None)) is not None:
             problem = refusal
-        elif (
-            not s.micro_step
-            and self.driven_by is None
-            and (framework := _checks.framework_accumulating())  # once a window: it lasts one
-        ):
-            problem = RuntimeError, _checks.refuse_framework(framework)
+        elif not s.micro_step and self.driven_by is None and (fw := framework_accumulating()):
+            problem = RuntimeError, _checks.refuse_framework(fw)  # asked once a window
         elif group is not None and items is not None:
             problem = ValueError, _GROUP_ITEMS
         if problem is not None:
@@ -330,8 +296,7 @@ class Accumulate(torch.optim.Optimizer):
             self._count(items)
 
     def commit(self) -> None:
-        """Count the micro-step that :meth:`backward` with ``hold=True`` left waiting.
-        RuntimeError if none waits (phase is not HELD)."""
+        """Count the micro-step left HELD by ``backward(hold=True)``; RuntimeError if none waits."""
         if self._state.phase is not HELD:
             raise RuntimeError(
                 f"Accumulate.commit: no micro-step waits to be counted (phase "
@@ -351,8 +316,7 @@ class Accumulate(torch.optim.Optimizer):
             if isinstance(items, Tensor):  # each count is checked at the close (no sync now)
                 self._low = items if self._low is None else torch.minimum(self._low, items)
         synced = self._sync.synced  # each sync writes into .grad once more
-        hooks = self._micro_step_hooks
-        if hooks:
+        if hooks := self._micro_step_hooks:
             s.broken = _IN_HOOK
             try:
                 for hook in hooks.values():
@@ -379,8 +343,7 @@ class Accumulate(torch.optim.Optimizer):
         s.phase = OPEN
 
     def _close(self) -> None:
-        """Form the window's gradient in ``.grad`` (divided once, over all ranks); item counts
-        given as tensors are read here."""
+        """Form the window's gradient in ``.grad`` (divided once); read tensor item counts."""
         s = self._state
         if isinstance(s.items, Tensor):  # one host sync: the total and the smallest count
             low = s.items if self._low is None else self._low
@@ -398,8 +361,7 @@ class Accumulate(torch.optim.Optimizer):
             hook(self)
 
     def _in_grad(self) -> list[Tensor] | None:
-        """The parameters whose window lives in ``.grad``, or None where the closing pass
-        replaces ``.grad`` (FSDP2, DDP's bucket views)."""
+        """The parameters whose window lives in ``.grad`` (None: the closing pass replaces it)."""
         sync, buffer = self._sync, self._buffer
         if sync.fsdp or getattr(sync.module, "gradient_as_bucket_view", False):
             return None
@@ -410,34 +372,26 @@ class Accumulate(torch.optim.Optimizer):
         return [p for p in params if id(p) not in buffered] if buffered else params
 
     def _plan(self) -> None:
-        """Plan the next pass's DDP/FSDP2 sync, given nothing that holds the wrapper (a dropped
-        wrapper is freed without a collection)."""
-        if not isinstance(self._sync, GradSync):
-            return
-        buffer, groups = self._buffer, self.param_groups
-        self._sync.plan(
-            self._state, self._rules, lambda: buffer.grad_only(_grads.params_of(groups))
-        )
+        """Plan the next pass's DDP/FSDP2 sync (the plan holds no reference to the wrapper)."""
+        if isinstance(sync := self._sync, GradSync):
+            buffer, groups = self._buffer, self.param_groups
+            sync.plan(self._state, self._rules, lambda: buffer.grad_only(_grads.params_of(groups)))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """End a micro-step; at the boundary clip and step the inner optimizer (or skip the
-        window), set :attr:`did_update`. Inside the window nothing else happens. Returns the
-        closure's value, or None (``torch.optim.Optimizer.step``).
+        window) and set :attr:`did_update`. Returns the closure's value, or None.
 
         Args:
-            closure: as for every torch optimizer (Lightning passes one): called once, with
-                autograd on, before the step; it runs the micro-step's forward and backward.
+            closure: as for any torch optimizer: called once, with autograd on, before the step.
 
         Raises:
-            RuntimeError: no backward pass since the last ``step()``; an earlier call or pass
-                failed part-way; a learning rate changed inside the window (nothing applied);
-                ``scaler.step(opt)`` inside a window without ``scaler=``, or after
-                ``scaler.unscale_(opt)`` there; a second thread."""
+            RuntimeError: no backward pass since the last ``step()``; a failed call or pass; a
+                second thread; a learning rate changed inside the window (nothing applied);
+                ``scaler.step(opt)`` in a window without ``scaler=`` or after ``unscale_(opt)``."""
         loss = None
         if closure is not None:
-            framework = self.driven_by is None and _checks.framework_accumulating(closure)
-            if framework:
-                raise RuntimeError(_checks.refuse_framework(framework) + " Nothing was changed.")
+            if self.driven_by is None and (fw := framework_accumulating(closure)):
+                raise RuntimeError(_checks.refuse_framework(fw) + " Nothing was changed.")
             with torch.enable_grad():
                 loss = closure()
         hooked = self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
@@ -453,8 +407,7 @@ class Accumulate(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]  # torch's Optimizer leaves it unwrapped
 
     def _step(self) -> None:
-        s = self._state
-        amp = self.__dict__.get("found_inf")  # set by GradScaler.step for this call
+        s, amp = self._state, self.__dict__.get("found_inf")  # set by GradScaler.step
         if amp is not None:
             self._amp_step(amp)
         elif s.phase is OPEN and not s.stepped and self._thread == get_ident():
@@ -466,37 +419,30 @@ class Accumulate(torch.optim.Optimizer):
 
     def _step_refusal(self) -> None:
         """The rest of ``step()``: bind the first thread, run DCP's state init, or refuse."""
-        s = self._state
         if self._thread is None:
             self._thread = get_ident()
             return self._step()
         if self._thread != get_ident():
             self._break("step() was called from a second thread")
             raise RuntimeError(
-                "Accumulate.step: called from a second thread; one wrapper counts one thread's "
-                "passes, so it now refuses on every thread. Use one Accumulate per training "
-                "thread; opt.discard() drops the window."
+                "Accumulate.step: called from a second thread; expected the thread whose passes "
+                "it counts. Use one Accumulate per thread; opt.discard() drops the window."
             )
         self.check_usable("step")
-        if s.phase is OPEN and _checkpoint.dcp_init_step(self):
+        if self._state.phase is OPEN and _checkpoint.dcp_init_step(self):
             return None
         hint = "Check that the loss depends on the wrapped parameters"
+        if self.model is not None:
+            hint += f", computed from the outputs of the {type(self.model).__qualname__} given "
+            hint += "as model= (the compiled module under torch.compile), or use opt.backward(loss)"
         if self._counter.retired:
-            hint = "This wrapper was released (opt.release(), at the end of a fit): call "
-            hint += "opt.reattach()"
-        elif self.model is not None:
-            hint += (
-                f", computed from the outputs of the {type(self.model).__qualname__} given as "
-                "model= (the compiled module under torch.compile), or use opt.backward(loss)"
-            )
+            hint = "It was released (opt.release(), at the end of a fit): call opt.reattach()"
         raise RuntimeError(
-            "Accumulate.step: no backward pass since the last step(); expected one backward "
-            f"pass before each step(). {hint}."
+            f"Accumulate.step: no backward pass since the last step(); expected one. {hint}."
         )
 
     def _scaled(self) -> bool:
-        """Refuse a plain ``step()`` on a closed window still in scaled units (False where
-        ``scaler.unscale_(opt)`` at the boundary unscaled it)."""
+        """Refuse a plain ``step()`` on a closed window still in scaled units; else False."""
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled():
             return False
@@ -510,11 +456,9 @@ class Accumulate(torch.optim.Optimizer):
 
     def _amp_step(self, found_inf: Tensor | int) -> None:
         """``scaler.step(opt)``: inside the window, fold the micro-step with its own loss scale;
-        at the boundary, apply the window unless a micro-step had an inf/NaN (the flag agreed
-        over the ranks; a zero flag where the scaler hands ``0``, no gradient reached)."""
-        s, scaler = self._state, self.scaler
-        grad_scale = self.__dict__.get("grad_scale")
-        if isinstance(found_inf, Tensor):
+        at the boundary, apply the window unless a micro-step had an inf/NaN (over the ranks)."""
+        s, scaler, grad_scale = self._state, self.scaler, self.__dict__.get("grad_scale")
+        if isinstance(found_inf, Tensor):  # else 0: no gradient reached the scaler
             found = found_inf
         elif scaler is None:
             found = torch.zeros(())
@@ -540,8 +484,7 @@ class Accumulate(torch.optim.Optimizer):
         if scaler is None:
             raise RuntimeError(
                 "Accumulate.step: scaler.step(opt) inside an open window, but the wrapper was "
-                "built without scaler= to unscale each micro-step with its own scale. Pass "
-                "scaler=scaler, or call scaler.step(opt) only when opt.will_update. No change."
+                "built without scaler=. Pass it, or step the scaler only at boundaries. No change."
             )
         if grad_scale is None:  # scaler.unscale_(opt) ran on a partial window
             self._break("scaler.unscale_(opt) ran inside an open window")
@@ -567,10 +510,9 @@ class Accumulate(torch.optim.Optimizer):
         s = self._state
         s.phase, s.broken = BROKEN, _APPLYING
         params = self._listing()  # listed at the close
-        grad_scale = None if amp is None else amp[0]
-        found = s.found_inf
+        grad_scale, found = None, s.found_inf
         if amp is not None:
-            found = amp[1] if found is None else found + amp[1]
+            grad_scale, found = amp[0], (amp[1] if found is None else found + amp[1])
         skip = self._rules.divisor(s, self.world_size) is None  # no items
         if not skip and found is not None:  # an inf/NaN under AMP
             skip = bool(found.item() > 0)
@@ -598,8 +540,7 @@ class Accumulate(torch.optim.Optimizer):
 
     def _finish(self, grad_norm: Tensor | None, clear: bool) -> None:
         """After the update (or skip): report, run the update hooks, clear ``.grad`` if ``clear``,
-        open the next window. A failure here (a hook, the schedule) still opens it, ``.grad``
-        cleared, and is raised from a consistent wrapper."""
+        open the next window; a failure here still opens it (``.grad`` cleared), then raises."""
         s = self._state
         report = Window(s.micro_step, cast(float, s.items), grad_norm, s.did_update)
         self.last_window = report
@@ -617,7 +558,6 @@ class Accumulate(torch.optim.Optimizer):
             raise
 
     def _open(self, ask: bool = True) -> None:
-        """Open an empty window; then (``ask``) give it its size (:meth:`_ask`)."""
         s = self._state
         self._guard.forget()
         self._buffer.reset()
@@ -637,8 +577,7 @@ class Accumulate(torch.optim.Optimizer):
             self._ask()
 
     def _ask(self) -> None:
-        """Ask a schedule for the open window's size; raise a bad size, or its error, from the
-        open, consistent window (it is asked again before the next micro-step)."""
+        """Size the open window by its schedule; raise a bad size, or its error, once it is open."""
         try:
             problem = self._rules.sized(self._state)
         finally:
@@ -648,14 +587,12 @@ class Accumulate(torch.optim.Optimizer):
 
     def flush(self, scaler: torch.amp.GradScaler | None = None) -> bool:
         """Apply the open, partial window now (its own exact mean; an epoch's end), then clear
-        the gradients; returns whether it updated (:attr:`did_update`). ``scaler``: the
-        ``GradScaler`` of PyTorch's gated AMP recipe (``scaler.step(opt)`` at boundaries only,
-        no ``scaler=``): the window is applied through ``scaler.step(opt); scaler.update()``.
+        the gradients; returns :attr:`did_update`. ``scaler``: the ``GradScaler`` of PyTorch's
+        gated AMP recipe (no ``scaler=``), which then applies the window (``step``, ``update``).
 
         Raises:
-            RuntimeError: an earlier call or pass failed part-way (``discard()``); FSDP2 holds
-                the window unreduced (see ``reduce_every_micro_step``); the loop steps through a
-                ``GradScaler`` at its boundaries and ``scaler`` was not given (nothing changed).
+            RuntimeError: an earlier call or pass failed part-way; FSDP2 holds the window
+                unreduced (``reduce_every_micro_step``); a gated AMP loop without ``scaler``.
             TypeError: ``scaler`` is not a ``GradScaler``."""
         s = self._state
         self.check_usable("flush")
@@ -685,8 +622,7 @@ class Accumulate(torch.optim.Optimizer):
         return s.did_update
 
     def discard(self) -> None:
-        """Drop the open window (gradients, counters, a waiting item count; the inner
-        optimizer is untouched): the way out after anything that failed part-way."""
+        """Drop the open window (its gradients and counts; the inner optimizer is untouched)."""
         self._drop_window(release=True)
 
     def _drop_window(self, release: bool) -> None:
@@ -704,10 +640,9 @@ class Accumulate(torch.optim.Optimizer):
         self._open()
 
     def drop_micro_step(self) -> None:
-        """Drop the micro-step in flight (a pass that failed part-way, or a HELD one), keeping
-        the finished ones: needs the rollback buffer (``buffer=True``, :meth:`enable_rollback`)
-        unless the window is empty. RuntimeError: the window is complete; finished micro-steps
-        live in ``.grad``; an earlier call failed part-way."""
+        """Drop the micro-step in flight (failed part-way, or HELD), keeping the finished ones
+        (in the rollback buffer: ``buffer=True``, :meth:`enable_rollback`, or none). RuntimeError:
+        the window is complete; finished micro-steps live in ``.grad``; a failed call."""
         s = self._state
         if s.phase in (BROKEN, APPLY):
             self.check_usable("drop_micro_step")
@@ -718,9 +653,7 @@ class Accumulate(torch.optim.Optimizer):
                 else "finished micro-steps share .grad with the one in flight, so it cannot be "
                 "dropped alone; use buffer=True (and scaler.step(opt) after every backward pass)"
             )
-            raise RuntimeError(
-                f"Accumulate.drop_micro_step: {why}. opt.discard() drops the whole window."
-            )
+            raise RuntimeError(f"Accumulate.drop_micro_step: {why}; opt.discard() drops all.")
         for p in self._params():
             p.grad = None
         PENDING.clear(self)
@@ -736,9 +669,8 @@ class Accumulate(torch.optim.Optimizer):
             self._counter.watch_groups(self.param_groups)  # parameters unfrozen since
 
     def enable_rollback(self) -> None:
-        """Route every parameter through the window buffer from now on (between micro-steps),
-        so that a failed micro-batch can be dropped alone. RuntimeError: built with
-        ``buffer=False``; an FSDP2 model; a failed call."""
+        """Route every parameter through the window buffer from now on, so that a failed
+        micro-batch can be dropped alone. RuntimeError: ``buffer=False``; FSDP2; a failed call."""
         if self.buffer is False or self._sync.fsdp:
             why = "built with buffer=False" if self.buffer is False else "an FSDP2 model's"
             raise RuntimeError(
@@ -769,14 +701,12 @@ class Accumulate(torch.optim.Optimizer):
         return True
 
     def check_usable(self, api: str = "check_usable") -> None:
-        """Raise the RuntimeError (naming ``api``) every call but ``discard()`` and
-        ``load_state_dict()`` raises now, if any: a pass or call that failed part-way, a
-        micro-step that waits (phase PASS, HELD, APPLY or BROKEN)."""
+        """Raise the RuntimeError (naming ``api``) that every call but ``discard()`` and
+        ``load_state_dict()`` raises now (phase PASS, HELD, APPLY or BROKEN), if any."""
         s = self._state
-        phase = s.phase
-        if phase is OPEN or phase is CLOSED:
+        if s.phase is OPEN or s.phase is CLOSED:
             return
-        if phase is PASS:
+        if s.phase is PASS:
             why = (
                 "the last backward pass ran under compiled autograd, whose end accumopt cannot "
                 "see; turn it off (compiling the model is fine) and call opt.discard()."
@@ -784,7 +714,7 @@ class Accumulate(torch.optim.Optimizer):
                 else "an earlier backward pass failed part-way (an OOM, say), leaving a partial "
                 "gradient in .grad. Call opt.discard(), or opt.drop_micro_step() with rollback."
             )
-        elif phase is HELD:
+        elif s.phase is HELD:
             why = "a micro-step waits for opt.commit() or opt.drop_micro_step()."
         elif s.broken is _IN_HOOK:
             why = f"{_IN_HOOK}."
@@ -798,19 +728,17 @@ class Accumulate(torch.optim.Optimizer):
 
     def set_model(self, model: torch.nn.Module, *, count_at: str = "outputs") -> None:
         """``Accumulate(..., model=model)`` after the wrapper was built (a framework wrapped the
-        model in DDP/FSDP2 later). ``count_at="parameters"`` counts passes at the parameters
-        while syncing through the model (Lightning's ``manual_backward`` runs inside DDP's
-        forward); not for FSDP2.
+        model later). ``count_at="parameters"``: count passes at the parameters, sync through the
+        model (a backward run inside DDP's forward); not for FSDP2.
 
         Raises:
-            RuntimeError: a window is open (call it between windows); a failed call.
-            TypeError / ValueError: as ``model=``. Nothing changes when it raises."""
+            RuntimeError: a window is open, or a failed call. TypeError / ValueError: as
+                ``model=``. Nothing changes when it raises."""
         if self._state.micro_step or self._state.phase is not OPEN:
             self.check_usable("set_model")
             raise RuntimeError(
-                f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) of the "
-                "previous model is open; call set_model() between windows (opt.micro_step == 0), "
-                "or opt.flush() first."
+                f"Accumulate.set_model: a window of {self._state.micro_step} micro-step(s) is "
+                "open; call set_model() between windows (opt.flush() first). Nothing changed."
             )
         self._bind(model, count_at)
 
@@ -824,9 +752,8 @@ class Accumulate(torch.optim.Optimizer):
         distributed = is_distributed(model)
         fsdp = distributed and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if fsdp:
-            in_items, buffer_all = self._rules.in_items, self._buffer.buffer_all
-            scaler, every_micro_step = self.scaler, self.reduce_every_micro_step
-            _checks.check_fsdp(count_at, in_items, every_micro_step, scaler, buffer_all)
+            flag, buffer_all = self.reduce_every_micro_step, self._buffer.buffer_all
+            _checks.check_fsdp(count_at, self._rules.in_items, flag, self.scaler, buffer_all)
             if self.__dict__.get("noise_scale") is not None:
                 raise ValueError(
                     "Accumulate: noise_scale with an FSDP2 model is not supported; expected a "
@@ -851,21 +778,18 @@ class Accumulate(torch.optim.Optimizer):
         self._plan()
 
     def release(self) -> None:
-        """Stop counting backward passes (hooks removed; the window and the inner optimizer stay)
-        at the end of a framework's run; :meth:`reattach` undoes it."""
+        """Stop counting passes (hooks removed; the window stays); :meth:`reattach` undoes it."""
         self._counter.remove()
 
     def reattach(self) -> None:
         """Count passes again as before :meth:`release` (a no-op if it was not released)."""
         if self._counter.retired:
-            module = self._counter._module
-            self._bind(self.model, "outputs" if module is not None else "parameters")
+            self._bind(self.model, "parameters" if self._counter._module is None else "outputs")
 
     def register_micro_step_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(opt, items, synced)`` at every counted micro-step, before the wrapper
-        moves or divides anything (``.grad`` holds the window's running sum: at the first
-        micro-step, its own gradient). ``items``: its item count (over the ranks for a window
-        in items) or None; ``synced``: whether DDP/FSDP2 synchronised its pass."""
+        moves or divides anything (``.grad``: the window's running sum). ``items``: its count
+        (over the ranks in a window in items) or None; ``synced``: whether DDP/FSDP2 synced it."""
         return _register(self._micro_step_hooks, hook)
 
     def register_window_hook(self, hook: Callable[..., None]) -> RemovableHandle:
@@ -885,17 +809,15 @@ class Accumulate(torch.optim.Optimizer):
             self._sync.sum_grads(tensors)
 
     def sum_over_ranks(self, a: float, b: float = 0.0, what: str = "") -> tuple[float, float]:
-        """``(a, b)`` summed over the ranks of the wrapper's DDP/FSDP2 model (one small collective
-        on accumopt's group; as given in one process). RuntimeError on every rank when another
-        is at another point of the window (``what`` names the caller's)."""
+        """``(a, b)`` summed over the ranks of the wrapper's DDP/FSDP2 model (one small collective;
+        as given in one process); RuntimeError on every rank if they disagree (``what``: where)."""
         return self._sync.sum_over_ranks(float(a), float(b), what)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer (and count passes through it)."""
         inner = self.__dict__.get("optimizer")
         if inner is None:  # Optimizer.__init__ filling our throw-away copies
-            super().add_param_group(param_group)
-            return
+            return super().add_param_group(param_group)
         inner.add_param_group(param_group)
         self._listed = None
         self._buffer.forget_params()
@@ -921,10 +843,9 @@ class Accumulate(torch.optim.Optimizer):
         return None
 
     def agree_on_loads(self, all_ranks: Callable[[bool], bool]) -> RemovableHandle:
-        """For a framework loading one rank's optimizer state on every rank (Lightning's DDP
-        saves rank 0's): before each load the ranks agree (``all_ranks(ok)``: a collective, is
-        ``ok`` true on every rank) that each can load it, and every rank raises ValueError when
-        one cannot (none is left waiting). Returns the pre-hook's handle."""
+        """For a framework loading one rank's optimizer state on every rank (Lightning's DDP):
+        before each load, ``all_ranks(ok)`` (a collective: is ``ok`` true on every rank?) agrees
+        that each can load it; all raise ValueError if one cannot. Returns the hook's handle."""
 
         def agree(opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
             problem = cast(Accumulate, opt).loadable(state)
@@ -932,8 +853,7 @@ class Accumulate(torch.optim.Optimizer):
                 raise ValueError(
                     problem
                     or "Accumulate.load_state_dict: another rank refused the checkpoint's open "
-                    "window (see its error); resume each rank from its own state dict, or from "
-                    "a checkpoint saved at a boundary. Nothing was changed."
+                    "window (see its error); resume from a boundary checkpoint. Nothing changed."
                 )
 
         return self.register_load_state_dict_pre_hook(agree)
@@ -951,8 +871,7 @@ _hooked_step = torch.optim.Optimizer.profile_hook_step(Accumulate._step)
 
 
 def _warn_unapplied(state: State) -> None:
-    """At the end of a wrapper (or of the process): say so when micro-steps were never applied
-    (a loop or framework that ended inside a window without ``flush()``)."""
+    """Warn at a wrapper's (or the process's) end when micro-steps were never applied."""
     if state.micro_step and state.phase is not BROKEN:
         warnings.warn(
             f"Accumulate: a wrapper ended with {state.micro_step} micro-step(s) of an open window "
@@ -970,20 +889,16 @@ def _register(hooks: _Hooks, hook: Any) -> RemovableHandle:
 def _watch_inner(inner: torch.optim.Optimizer, owner: Accumulate) -> None:
     """Hooks on the inner optimizer, removed with ``owner``: one refuses a step the wrapper did
     not start; one, run first after the step, counts the update as soon as it is applied."""
-    ref, state = weakref.ref(owner), owner._state
+    ref, s = weakref.ref(owner), owner._state
 
     def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if state.phase is not APPLY and ref() is not None:
+        if s.phase is not APPLY and ref() is not None:
             raise RuntimeError(STEPPED_DIRECTLY.format(name=type(optimizer).__name__))
 
     def after(*_: Any) -> None:
-        if state.phase is APPLY:  # one statement: an interrupt lands before or after all
-            state.updates, state.items_seen, state.did_update, state.phase = (
-                state.updates + 1,
-                state.items_seen + cast(float, state.items),
-                True,
-                BROKEN,
-            )
+        if s.phase is APPLY:  # one statement: an interrupt lands before or after all
+            seen = s.items_seen + cast(float, s.items)
+            s.updates, s.items_seen, s.did_update, s.phase = s.updates + 1, seen, True, BROKEN
 
     post = inner.register_step_post_hook(after)
     inner._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # type: ignore[attr-defined]
