@@ -251,15 +251,15 @@ class Accumulate(torch.optim.Optimizer):
 
     def _check_micro_step(self, api: str, items: float | Tensor | None) -> float | Tensor | None:
         """Validate a coming micro-step against the window; returns its item count."""
+        s = self._state
+        if s.phase is not OPEN:  # first: a pass that failed part-way left its count waiting
+            self.check_usable(api)
         if PENDING._owner is not None and (waiting := PENDING.items) is not None:
             raise ValueError(
                 f"Accumulate.{api}: next_items({float(waiting):g}) is still waiting for its "
                 "backward pass; expected one count per pass (opt.discard() drops it). No change."
             )
         weight = None if items is None else _checks.check_items(items, api, self._rules.in_items)
-        s = self._state
-        if s.phase is not OPEN:
-            self.check_usable(api)
         if (refusal := self._rules.refusal(s, weight is not None)) is not None:
             raise refusal[0](f"{refusal[1]} Nothing was accumulated by this call.")
         if weight is not None:

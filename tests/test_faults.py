@@ -236,3 +236,18 @@ def test_with_amp_a_micro_step_that_reaches_no_wrapped_parameter_counts_with_zer
         results.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*results):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_count_left_by_a_pass_that_failed_part_way_is_named_as_that_failure() -> None:
+    """next_items(n), then a pass that dies part-way: the next call says the pass failed (the
+    count it left waiting is a consequence), and discard() drops both."""
+    model = _mlp(3)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=8)
+    acc.next_items(3)
+    _die_part_way(model, torch.randn(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="an earlier backward pass failed part-way"):
+        acc.next_items(2)
+    acc.discard()
+    acc.next_items(2)
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    assert acc.micro_step == 1 and acc.items == 2.0
