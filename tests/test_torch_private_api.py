@@ -116,16 +116,6 @@ def per_optimizer_states(_: Any) -> None:
     assert all(isinstance(f, Tensor) and f.numel() == 1 for f in flags.values()), flags
 
 
-def treespec_children(_: Any) -> None:
-    def kids(spec: Any) -> list[Any]:  # as _tree.py reads them: children_specs before 2.13
-        return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
-
-    spec = torch.utils._pytree.tree_structure(({"a": 1}, [2]))
-    children = kids(spec)
-    assert spec.type is tuple and len(children) == 2 and children[0].type is dict
-    assert list(children[0].context) == ["a"] and kids(children[1])[0].is_leaf()
-
-
 def post_hooks_ordered(_: Any) -> None:
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     first = opt.register_step_post_hook(lambda *_: None)
@@ -236,7 +226,6 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
         "distributed.py (ranks agree on inf/NaN)",
         per_optimizer_states,
     ),
-    ("torch.utils._pytree.TreeSpec~children", "_tree.py (fast rebuild)", treespec_children),
     ("torch.optim.optimizer._global_optimizer_pre_hooks", "accumulate.py", mapping),
     ("torch.optim.optimizer._global_optimizer_post_hooks", "accumulate.py", mapping),
     ("torch.optim.Optimizer.profile_hook_step", "accumulate.py", profile_hook_step),
@@ -278,9 +267,11 @@ API: list[tuple[str, str, Callable[[Any], None]]] = [
     ),
     ("torch.utils._pytree.tree_flatten_with_path", "_tree.py", tree_flatten_with_path),
     ("torch.utils._pytree.keystr", "_tree.py", signature("kp")),
-    ("torch.utils._pytree.tree_flatten", "_tree.py, split.py", signature("tree")),
-    ("torch.utils._pytree.tree_unflatten", "_tree.py, split.py", signature("leaves", "treespec")),
-    ("torch.utils._pytree.tree_leaves", "_counting.py", signature("tree")),
+    ("torch.utils._pytree.tree_unflatten", "_tree.py", signature("leaves", "treespec")),
+    ("torch.utils._pytree.tree_leaves", "_counting.py, _tree.py", signature("tree")),
+    ("torch.utils._pytree.tree_is_leaf", "_tree.py", signature("tree")),
+    ("torch.utils._pytree.tree_map_with_path", "_tree.py", signature("func", "tree")),
+    ("torch.utils._pytree.register_pytree_node", "_tree.py", signature("cls", "flatten_fn")),
     ("torch._utils._flatten_dense_tensors", "distributed.py", flatten_dense_tensors),
     ("torch._utils._unflatten_dense_tensors", "distributed.py", signature("flat", "tensors")),
     ("torch._foreach_div_", "_grads.py", foreach_div_),
