@@ -257,7 +257,8 @@ class Accumulate(torch.optim.Optimizer):
         if PENDING._owner is not None and (waiting := PENDING.items) is not None:
             raise ValueError(
                 f"Accumulate.{api}: next_items({float(waiting):g}) is still waiting for its "
-                "backward pass; expected one count per pass (opt.discard() drops it). No change."
+                "backward pass; expected one count per pass (opt.discard() drops it). Nothing "
+                "changed."
             )
         weight = None if items is None else _checks.check_items(items, api, self._rules.in_items)
         if (refusal := self._rules.refusal(s, weight is not None)) is not None:
@@ -484,7 +485,8 @@ class Accumulate(torch.optim.Optimizer):
         if scaler is None:
             raise RuntimeError(
                 "Accumulate.step: scaler.step(opt) inside an open window, but the wrapper was "
-                "built without scaler=. Pass it, or step the scaler only at boundaries. No change."
+                "built without scaler=. Pass it, or step the scaler only at boundaries. Nothing "
+                "changed."
             )
         if grad_scale is None:  # scaler.unscale_(opt) ran on a partial window
             self._break("scaler.unscale_(opt) ran inside an open window")
@@ -653,7 +655,8 @@ class Accumulate(torch.optim.Optimizer):
                 else "finished micro-steps share .grad with the one in flight, so it cannot be "
                 "dropped alone; use buffer=True (and scaler.step(opt) after every backward pass)"
             )
-            raise RuntimeError(f"Accumulate.drop_micro_step: {why}; opt.discard() drops all.")
+            drops = "opt.discard() drops the whole window"
+            raise RuntimeError(f"Accumulate.drop_micro_step: {why}; {drops}.")
         for p in self._params():
             p.grad = None
         PENDING.clear(self)
