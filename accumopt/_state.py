@@ -62,7 +62,8 @@ class State:
     micro-step waits for its ``step()``; ``size``: the open window's (None: no valid one from
     its schedule yet); ``updates``, ``items_seen``: inner steps applied and their items (all
     ranks); ``did_update``: the last ``step()``/``flush()`` applied one (False again at the
-    next micro-step); ``found_inf``: AMP's 0-dim inf/NaN flag, or None; ``broken``: what
+    next micro-step); ``found_inf``: AMP's 0-dim inf/NaN flag, or None; ``least``: the smallest
+    item count given as a tensor (checked at the close), or None; ``broken``: what
     failed, while BROKEN."""
 
     phase: Phase = Phase.OPEN
@@ -75,6 +76,7 @@ class State:
     items_seen: float = 0.0
     did_update: bool = False
     found_inf: Tensor | None = None
+    least: Tensor | None = None
     broken: str = ""
 
 
@@ -84,7 +86,8 @@ SAVED = ("micro_step", "items", "weighted", "stepped", "size", "updates", "items
 
 def reset(state: State) -> None:
     """Empty the window (the cumulative counters stay)."""
-    state.micro_step, state.items, state.weighted, state.found_inf = 0, 0.0, None, None
+    state.micro_step, state.items, state.weighted = 0, 0.0, None
+    state.found_inf = state.least = None
 
 
 class Window(NamedTuple):

@@ -144,7 +144,6 @@ class Accumulate(torch.optim.Optimizer):
         self._held: float | Tensor | None = None  # the items of a HELD micro-step
         self._last_found: Tensor | None = None  # AMP: the closing pass's own inf/NaN flag
         self._gated = False  # a GradScaler stepped a boundary without scaler=
-        self._low: Tensor | None = None  # the smallest item count given as a tensor
         self._listed: list[Tensor] | None = None
         self._dtypes: tuple[Any, ...] = ()
         self.model, self._sync = None, LocalSync()
@@ -315,7 +314,7 @@ class Accumulate(torch.optim.Optimizer):
         if items is not None:
             s.items += items
             if isinstance(items, Tensor):  # each count is checked at the close (no sync now)
-                self._low = items if self._low is None else torch.minimum(self._low, items)
+                s.least = items if s.least is None else torch.minimum(s.least, items)
         synced = self._sync.synced  # each sync writes into .grad once more
         if hooks := self._micro_step_hooks:
             s.broken = _IN_HOOK
@@ -347,7 +346,7 @@ class Accumulate(torch.optim.Optimizer):
         """Form the window's gradient in ``.grad`` (divided once); read tensor item counts."""
         s = self._state
         if isinstance(s.items, Tensor):  # one host sync: the total and the smallest count
-            low = s.items if self._low is None else self._low
+            low = s.items if s.least is None else s.least
             total, low = torch.stack((s.items.double(), low.double())).tolist()
             covers = "its summed loss"
             _checks.check_count(low, "Accumulate: a micro-step's items", covers)
@@ -563,7 +562,7 @@ class Accumulate(torch.optim.Optimizer):
         s = self._state
         self._guard.forget()
         self._buffer.reset()
-        self._last_found = self._low = None
+        self._last_found = None
         params, multi = self._params(), distributed()
         if isinstance(self._sync, LocalSync):  # a DDP model not given to the wrapper syncs
             self._sync.synced = multi

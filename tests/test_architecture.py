@@ -166,7 +166,7 @@ def test_no_caller_frame_is_read_and_no_class_is_swapped() -> None:
     assert found == {}
 
 
-# Issue 31 asks for 6,000 lines; 0.2 lands at 6,207 (from 10,049 in 0.1), every feature and
+# Issue 31 asks for 6,000 lines; 0.2 lands at 6,209 (from 10,049 in 0.1), every feature and
 # message of 0.1 kept. The budget is a ratchet: lower it with every cut, never raise it.
 BUDGET = 6_210
 
