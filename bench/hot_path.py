@@ -17,6 +17,8 @@ that machine noise hits both sides alike:
 - the bare mechanism of counting at the outputs, with nothing accumopt does around it: a
   forward hook that puts a hook on the output, which queues an end-of-backward callback that
   queues a second one (as accumopt's counter does), against plain passes (tiny MLP);
+- counting's floor: the hooks and callbacks of counting at the parameters with nothing done in
+  them, and one division a window, against the hand loop's ``loss / k`` (tiny MLP);
 - accumopt's own cost per micro-step, the same way on a model of one parameter tensor
   (``Linear(1, 1, bias=False)``): one hook call, the end-of-backward callbacks, ``step()`` and
   ``zero_grad()`` (public API only);
@@ -143,6 +145,36 @@ def hooked(model: nn.Module, kind: str) -> nn.Module:
     return copied
 
 
+def floor_window(model: nn.Module, data: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+    """What counting at the parameters needs with no bookkeeping: k plain passes through a copy
+    of ``model`` whose ``AccumulateGrad`` pre-hooks queue one end-of-backward callback a pass
+    (doing nothing), then the window's one division (``_foreach_div_``, as at a close)."""
+    copied = copy.deepcopy(model)
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    running = [False]
+
+    def end() -> None:
+        running[0] = False
+
+    def begin(*_: object) -> None:
+        if not running[0]:
+            running[0] = True
+            queue(end)
+
+    for p in copied.parameters():
+        node = torch.autograd.graph.get_gradient_edge(p).node
+        node.register_prehook(begin)
+        KEPT.append(node)
+    run_passes, divisor = passes(copied, data, False), torch.tensor(float(K))
+
+    def run() -> None:
+        run_passes()
+        with torch.no_grad():
+            torch._foreach_div_([p.grad for p in copied.parameters()], divisor)  # type: ignore[misc]
+
+    return run
+
+
 def bare_counting(model: nn.Module) -> None:
     """Hook ``model`` the way counting at its outputs does, with callbacks that do nothing."""
     queue = torch.autograd.Variable._execution_engine.queue_callback
@@ -177,6 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     per_pass = difference_us(plain, lambda: None, args.rounds)
     rows.append(["`loss / k` in the hand loop (tiny MLP)", f"{hand_us:.1f} us per micro-step"])
     rows.append(["one tiny-MLP forward and backward pass, for scale", f"{per_pass:.0f} us"])
+    floor_us = difference_us(floor_window(small, data), passes(small, data, True), args.rounds)
+    rows.append(
+        [
+            "counting's floor against `loss / k` (tiny MLP): the parameters' pre-hooks, one "
+            "end-of-backward callback a pass and one division a window, no bookkeeping",
+            f"{floor_us:+.1f} us per micro-step",
+        ]
+    )
 
     big = hundred()
     data100 = batches(big, 16)
