@@ -1,5 +1,9 @@
 """The documentation keeps up with the code: every refusal and warning accumopt can raise has an
-entry in the error reference (``docs/errors.md``), and every entry still matches a message."""
+entry in the error reference (``docs/errors.md``), every entry still matches a message, and the
+README stays a short front page whose Quick start block is what ``.ci/run`` reads.
+
+The Python code blocks of ``README.md`` and ``docs/`` run as tests themselves (Sybil, configured
+in the root ``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from refusals import (
     literal_length,
 )
 
+README = ROOT / "README.md"
+README_LINES = 250
 SPECIFIC = 20  # characters of the code's own words a documented message begins with, at least
 
 
@@ -109,3 +115,35 @@ def test_every_entry_matches_a_message_and_says_cause_and_fix(templates: list[Te
                 f"entry {entry.title!r}: no message of accumopt/ begins with {message!r} "
                 "(the code's wording changed, or the refusal is gone)"
             )
+
+
+def test_readme_is_a_short_front_page() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines (at most {README_LINES})"
+
+
+def quick_start_commands(text: str) -> list[str]:
+    """The commands of the first code block under the Quick start heading, as .ci/run and
+    shared/checks/readme_commands.sh read them."""
+    after = re.split(r"^#+ .*quick ?start.*$", text, maxsplit=1, flags=re.M | re.I)[1]
+    block = after.split("```", 2)[1].split("\n", 1)[1]
+    lines = [line.strip() for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_readme_quick_start_is_two_commands_install_then_run() -> None:
+    text = README.read_text()
+    first, second = quick_start_commands(text)
+    assert "examples/digits.py" in first and "pip install" in first
+    assert "pytest" in second and "pip install" in second and '".[dev]"' in second
+    install = text.split("## Quick start")[0]
+    for step in ("git clone", "python3 -m venv", "download.pytorch.org/whl/cpu"):
+        assert step in install, f"the Install section (before Quick start) lacks {step!r}"
+
+
+def test_readme_links_to_files_that_exist() -> None:
+    """The README links into docs/ and the repository by relative paths (mkdocs --strict checks
+    the links of docs/ itself)."""
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text()):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
