@@ -24,7 +24,7 @@ def is_oom(error: BaseException) -> bool:
     ``__context__`` unless ``raise ... from None``), is a ``torch.OutOfMemoryError`` or a
     ``RuntimeError`` with one of :data:`OOM_MESSAGES`: an error a smaller micro-batch may avoid.
 
-    Example:
+    Examples:
         >>> is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
         True
         >>> is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))

@@ -58,7 +58,7 @@ def parallel_backward(
             that are negative or not finite; ``micro_split``'s value errors.
         RuntimeError: gradients disabled (``torch.no_grad``); what ``opt.backward`` raises.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(3, 1)
         >>> def loss_fn(m, b):
         ...     return torch.nn.functional.mse_loss(m(b["x"]), b["y"])

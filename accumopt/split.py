@@ -58,7 +58,7 @@ def micro_split(
         ValueError: fewer rows than devices; an unknown device, CUDA not available or an index
             out of range; bad ``weights`` (length, not positive or finite); as ``batch_size``.
 
-    Example:
+    Examples:
         >>> pieces = micro_split({"x": torch.zeros(5, 3), "tag": "train"}, ["cpu", "cpu"])
         >>> [(p.batch["x"].shape[0], p.batch["tag"], p.size) for p in pieces]
         [(3, 'train', 3), (2, 'train', 2)]
