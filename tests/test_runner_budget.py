@@ -289,6 +289,27 @@ def test_auto_budget_survives_out_of_memory_and_reports_its_cost() -> None:
     assert runner.history[0][2] == "first"
 
 
+def test_auto_budget_with_a_grad_scaler_under_out_of_memory() -> None:
+    """A GradScaler given to the wrapper scales and steps every micro-batch; the windows the
+    runner flushes after 12 rows are the full-batch token means, failed attempts dropped."""
+    model, ref = TokenLM(10), TokenLM(10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    acc = Accumulate(
+        torch.optim.AdamW(model.parameters(), lr=0.01), every_items=math.inf, scaler=scaler
+    )
+    spec = TokenBudget("auto", cost=lengths_of, items=tokens_of, padded=True, rows_per_update=12)
+    runner = MicroBatchRunner(acc, lambda b: loss_sum(model, b), budget=spec, loss_reduction="sum")
+    limit = TokenLimit(model, 30)
+    batch = make_batch([4, 9, 1, 16, 3, 3, 12, 5, 8, 2, 7, 6], 16, 6)
+    runner(batch)
+    limit.remove()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    (loss_sum(ref, batch) / tokens_of(batch).sum()).backward()
+    ref_opt.step()
+    assert acc.updates == 1 and runner.ooms > 0
+    assert_same_params(model, ref)
+
+
 def test_a_row_that_alone_runs_out_of_memory_is_a_clear_error() -> None:
     model = TokenLM(6)
     acc, runner = make_runner(model, "rows", 4, "auto")
