@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from accumopt import Accumulate, MicroBatchRunner, NoMicroBatchFits, PerSample, TokenBudget
 from accumopt.budget import plan, window_end
+from accumopt.runner import _per_rank, _same_rows
 from accumopt.testing import run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # the ranks import this module
@@ -595,3 +597,15 @@ def test_two_ranks_run_as_many_micro_steps_per_window_and_update_exactly(
             torch.testing.assert_close(
                 torch.tensor(p), q.detach().flatten(), rtol=1e-10, atol=1e-12
             )
+
+
+def test_ranks_must_split_each_window_and_the_batch_evenly() -> None:
+    """Under 2 ranks (a stand-in for the wrapper's collectives): rows_per_update must be a
+    multiple of the ranks, and every rank's batch as many rows (refused on every rank)."""
+    ranks = SimpleNamespace(world_size=2, sum_over_ranks=lambda a, b, what: (a + 7.0, b + 49.0))
+    with pytest.raises(ValueError, match=r"rows_per_update=9\) over 2 ranks; expected a multiple"):
+        _per_rank(ranks, 9)  # type: ignore[arg-type]
+    assert _per_rank(ranks, 8) == 4  # type: ignore[arg-type]
+    _same_rows(ranks, 7, "budget=")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"this rank's batch has 5 rows, all ranks' 12; .*budget="):
+        _same_rows(ranks, 5, "budget=")  # type: ignore[arg-type]
