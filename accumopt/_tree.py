@@ -472,7 +472,7 @@ class RowSlicer:
             part: Any = leaf
             if how in ("slice", "tensor"):
                 op = functools.partial(torch.index_select, leaf, 0, index.to(leaf.device))
-                part = guard(self.api, path, leaf, "gather rows of (sort=True)", op)
+                part = guard(self.api, path, leaf, "gather rows from for sort=True", op)
             elif how == "rows":
                 picked = [leaf[i] for i in rows]
                 part = type(leaf)(picked) if type(leaf) in (list, tuple) else picked

@@ -9,9 +9,11 @@ The rules (README: "Micro-batches cut by a token budget"):
 - A micro-batch costs ``rows x L`` when ``padded`` (``L``: its longest row's cost rounded up
   to a bucket, at most the batch's padded length) or the sum of its rows' costs (packed).
 - Within a window the rows keep their order (contiguous micro-batches) or, with ``sort``, go
-  longest first. Each micro-batch takes as many of the next rows as fit the budget (a row
-  costlier than the budget runs alone), their number rounded down to a power of two when
-  ``buckets`` is set.
+  longest first, but for a window in items that ends here its last row (the one whose items
+  reach the total) stays last: the wrapper, which closes on the total, closes the window at
+  its last micro-batch and not before. Each micro-batch takes as many of the next rows as fit
+  the budget (a row costlier than the budget runs alone), their number rounded down to a
+  power of two when ``buckets`` is set.
 - Ranks: every rank runs as many micro-batches per window as the rank that needs most; the
   others split their costliest micro-batches in half until they have as many.
 """
@@ -29,6 +31,7 @@ from torch import Tensor
 from accumopt._checks import positive_int
 
 Buckets: TypeAlias = "Literal['pow2'] | tuple[int, ...] | None"
+"""``TokenBudget.buckets`` once validated (a list of lengths: a sorted tuple)."""
 Ends: TypeAlias = "Callable[[int], tuple[int, bool]]"
 """Where a window opening at a row ends (:func:`window_end`), asked when it opens."""
 
@@ -38,7 +41,7 @@ class TokenBudget:
     """How :class:`accumopt.MicroBatchRunner` cuts micro-batches by a budget on their cost
     (``budget=TokenBudget(...)``; README: "Micro-batches cut by a token budget").
 
-    Example (the cuts of five rows of 3, 9, 2, 8 and 4 tokens: :func:`plan`):
+    Example (the cuts it makes: :func:`plan`):
         >>> spec = TokenBudget(16, cost=lambda batch: batch["lengths"], padded=True)
         >>> spec.tokens, spec.buckets
         (16, 'pow2')
@@ -119,8 +122,9 @@ def read_counts(values: Any, rows: int, name: str) -> list[int]:
     """``values`` (what ``TokenBudget.cost`` or ``.items`` gave) as one int >= 0 per row, read
     once (a tensor off the host is one sync). TypeError / ValueError naming ``name``."""
     if isinstance(values, Tensor):
-        shape, ints = tuple(values.shape), not values.is_floating_point()
-        counts = values.tolist() if values.dim() == 1 and ints and not values.is_complex() else []
+        shape = tuple(values.shape)
+        ints = not (values.is_floating_point() or values.is_complex())
+        counts = values.tolist() if values.dim() == 1 and ints else []
     elif isinstance(values, Sequence) and not isinstance(values, str):
         shape, counts = (len(values),), list(values)
         ints = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in counts)
@@ -240,10 +244,11 @@ class Plan:
 
     :meth:`ready` opens the next window (asking ``ends`` where it ends) once one is done;
     :meth:`next` gives every rank's next micro-batch under a budget and :meth:`advance`
-    records that they ran; a new budget plans the rest of the window again."""
+    records that they ran; a new budget plans the rest of the window again. ``last``: a
+    window that ends keeps its last row last when sorted (a window in items)."""
 
-    def __init__(self, ranks: list[RankRows], ends: Ends, sort: bool) -> None:
-        self.ranks, self._ends, self._sort = ranks, ends, sort
+    def __init__(self, ranks: list[RankRows], ends: Ends, sort: bool, last: bool) -> None:
+        self.ranks, self._ends, self._sort, self._last = ranks, ends, sort, last
         self._start, self._rows = 0, len(ranks[0].costs)
         self._orders: list[Sequence[int]] = []
         self._at: list[int] = []
@@ -260,8 +265,10 @@ class Plan:
             return False
         stop, self._closing = self._ends(self._start)
         rows, self._start = range(self._start, stop), stop
+        kept = rows[len(rows) - 1 :] if self._closing and self._last else rows[:0]
+        head = rows[: len(rows) - len(kept)]
         self._orders = [
-            sorted(rows, key=r.costs.__getitem__, reverse=True) if self._sort else rows
+            [*sorted(head, key=r.costs.__getitem__, reverse=True), *kept] if self._sort else rows
             for r in self.ranks
         ]
         self._at, self._pending, self._tails = [0] * len(self.ranks), [], []
@@ -306,9 +313,11 @@ class Plan:
         return max(costs)
 
 
-def plan(spec: TokenBudget, ranks: list[tuple[list[int], int | None]], ends: Ends) -> Plan:
+def plan(
+    spec: TokenBudget, ranks: list[tuple[list[int], int | None]], ends: Ends, last: bool = False
+) -> Plan:
     """The :class:`Plan` of ``spec`` for every rank's ``(costs, padded length)``, its windows
-    ending where ``ends`` says.
+    ending where ``ends`` says (``last``: windows in items, see :class:`Plan`).
 
     >>> def shapes(sort):
     ...     spec = TokenBudget(16, cost=len, padded=True, sort=sort, buckets=None)
@@ -324,7 +333,7 @@ def plan(spec: TokenBudget, ranks: list[tuple[list[int], int | None]], ends: End
     """
     buckets: Buckets = spec.buckets  # type: ignore[assignment]  # a tuple after __post_init__
     rows = [RankRows([max(1, c) for c in costs], cap, spec.padded, buckets) for costs, cap in ranks]
-    return Plan(rows, ends, spec.sort)
+    return Plan(rows, ends, spec.sort, last)
 
 
 def unpadded_key(key: tuple[Any, ...]) -> tuple[Any, ...]:

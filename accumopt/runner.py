@@ -75,8 +75,9 @@ class MicroBatchRunner:
 
     Attributes:
         sizer: the ``"auto"`` search (None before it starts, or with a fixed size).
-        tally: with ``budget=``, what ran (:class:`accumopt.budget.Tally`: padding, failed
-            attempts and the cost they wasted, the shapes run); else None.
+        budget: the ``TokenBudget``, or None. tally: with ``budget=``, what ran
+            (:class:`accumopt.budget.Tally`: padding, failed attempts and the cost they
+            wasted, the shapes run); else None.
 
     Raises:
         TypeError: ``optimizer`` is not an ``Accumulate``; ``budget`` not a ``TokenBudget``.
@@ -268,7 +269,7 @@ class MicroBatchRunner:
             return window_end(weights, start, cast(float, opt.every_items) - opt.items)
 
         counts = [([int(c) for c in row[1 : 1 + n]], int(row[0]) or None) for row in table]
-        cuts_of = plan(spec, counts, ends)
+        cuts_of = plan(spec, counts, ends, last=per is None)
         tally, key, order = cast(Tally, self.tally), unpadded_key(rows_of.shape_key()), []
         cuts_of.ready()  # the first window opens (a batch has rows)
         if self._fixed is None and self.sizer is None:  # it starts the search, whole
@@ -292,7 +293,7 @@ class MicroBatchRunner:
             else:
                 result = got
                 sizer.succeeded(key, min(cost, size))
-            tally.ran(mine, costs)
+            tally.ran(mine, cuts_of.ranks[rank].costs)
             self._step(scaler)
             totals.add(*result, len(mine.rows))
             order += mine.rows

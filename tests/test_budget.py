@@ -68,8 +68,8 @@ def test_every_row_runs_once_within_the_budget(
     cap = max(max(costs), 1) if capped else None
     (cuts,) = run(spec, [(costs, cap)], budget)
     check_cuts(cuts, costs, cap, budget, spec)
-    if sort:  # longest first
-        firsts = [max(costs[r] for r in cut.rows) for cut in cuts]
+    if sort:  # longest first (a row costs at least 1)
+        firsts = [max(max(1, costs[r]) for r in cut.rows) for cut in cuts]
         assert firsts == sorted(firsts, reverse=True)
 
 
@@ -129,6 +129,21 @@ def test_windows_open_where_the_last_ended_and_the_rows_sort_within_them() -> No
         p.advance()
     assert asked == [0, 3]
     assert ran == [([2], False), ([1, 0], True), ([3], False), ([4], False), ([5], True)]
+
+
+def test_a_window_in_items_keeps_its_last_row_last_when_sorted() -> None:
+    """The row whose items reach the window's total runs in its last micro-batch (the wrapper
+    closes on the total); a window that does not end here is sorted whole."""
+    spec = TokenBudget(1, cost=len, padded=True, sort=True, buckets=None)
+    costs = [1, 2, 9, 3, 4, 8]
+    p, ran = (
+        plan(spec, [(costs, None)], lambda start: (3, True) if start == 0 else (6, False), True),
+        [],
+    )
+    while p.ready():
+        ran.append(list(p.next(1)[0].rows))
+        p.advance()
+    assert ran == [[1], [0], [2], [5], [4], [3]]
 
 
 @pytest.mark.parametrize(

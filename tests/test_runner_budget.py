@@ -222,6 +222,22 @@ def test_a_window_in_tokens_ends_at_the_row_that_reaches_them() -> None:
         assert 50 <= total < 50 + per_row[w.stop - 1]
 
 
+def test_a_sorted_window_in_tokens_runs_the_row_that_reaches_them_last() -> None:
+    """every_items=10 over rows of 2, 2, 16, 3 and 3 loss-bearing tokens: the first window is
+    rows 0-2. Longest first, row 2 would run first (with row 0) and the wrapper would close
+    the window at 18 tokens, row 1 going to the next one; it runs in the last micro-batch."""
+    model, ref = TokenLM(12), TokenLM(12)
+    acc, runner = make_runner(model, "tokens", 10, 64, sort=True)
+    batch = make_batch([2, 2, 16, 3, 3], 16, 0)
+    batch["labels"] = torch.where(torch.arange(16)[None] < batch["lengths"][:, None], 1, -100)
+    totals: list[float] = []
+    acc.register_update_hook(lambda opt, report: totals.append(report.items))
+    runner(batch)
+    assert totals == [20.0]
+    train_reference(ref, batch, reference_windows(batch, "tokens", 10))
+    assert_same_params(model, ref)
+
+
 def test_padded_leaves_are_cut_to_the_micro_batch_length_and_nothing_else() -> None:
     """padded=True: the dense leaves whose dim 1 is the batch's padded length 32 (ids, labels,
     per-token features) reach loss_fn cut to the micro-batch's longest row rounded up to a
