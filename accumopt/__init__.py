@@ -2,9 +2,9 @@
 
 ``Accumulate`` wraps any ``torch.optim.Optimizer`` so that it applies one update per window of
 micro-batches; ``MicroBatchRunner`` runs one large batch through it (``"auto"``: the largest
-micro-batch that fits, surviving OOM; ``TokenBudget``: micro-batches cut by their tokens instead);
-``micro_split`` / ``parallel_backward`` / ``apply`` split
-a batch over micro-batches and devices. Submodules: ``schedules``, ``noise``, ``batchnorm``,
+micro-batch that fits, surviving OOM; ``TokenBudget``: micro-batches cut by their tokens);
+``micro_split`` / ``parallel_backward`` / ``apply`` split a batch over micro-batches and
+devices. Submodules: ``schedules``, ``noise``, ``batchnorm``,
 ``testing`` (import them by name); ``integrations`` (Lightning, HF Trainer, Accelerate).
 """
 
