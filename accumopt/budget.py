@@ -68,10 +68,15 @@ class TokenBudget:
         buckets: ``"pow2"`` (default): padded lengths rounded up to a power of two and row
             counts down to one; a sequence of ints: the padded lengths allowed (rows still
             powers of two); None: every micro-batch its exact shape.
+        trim: with ``padded``, the leaves padded along dim 1 (cut to a micro-batch's padded
+            length), named by key, attribute or index (``("input_ids", "labels")``); None
+            (default): every dense leaf of 2+ dims as long along dim 1 as the longest, and a
+            leaf that could be padded but is shorter is refused. A per-row feature exactly as
+            wide as the padded length is cut too: name the padded leaves then.
 
     Raises:
         TypeError: ``cost`` or ``items`` not callable; ``padded`` or ``sort`` not a bool.
-        ValueError: ``tokens``, ``rows_per_update`` or ``buckets`` out of range.
+        ValueError: ``tokens``, ``rows_per_update``, ``buckets`` or ``trim`` out of range.
     """
 
     tokens: int | Literal["auto"]
@@ -83,6 +88,7 @@ class TokenBudget:
     buckets: Literal["pow2"] | Sequence[int] | None = dataclasses.field(
         default="pow2", kw_only=True
     )
+    trim: Sequence[str | int] | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.tokens != "auto" and not positive_int(self.tokens):
@@ -116,6 +122,15 @@ class TokenBudget:
                     "padded lengths (ints >= 1). Pass e.g. buckets=(64, 128, 256, 512)."
                 )
             object.__setattr__(self, "buckets", tuple(sorted(set(sizes))))
+        trim = self.trim
+        if trim is not None:
+            names = tuple(trim) if isinstance(trim, Sequence) and not isinstance(trim, str) else ()
+            if not names or not all(isinstance(t, str | int) for t in names) or not self.padded:
+                raise ValueError(
+                    f"TokenBudget: trim={trim!r} (padded={self.padded}); expected a sequence of "
+                    "leaf names with padded=True, e.g. trim=('input_ids', 'labels'). Fix it."
+                )
+            object.__setattr__(self, "trim", names)
 
 
 def read_counts(values: Any, rows: int, name: str) -> list[int]:
@@ -342,17 +357,30 @@ def unpadded_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple((path, ("*", *shape[1:]) if shape else shape, dtype) for path, shape, dtype in key)
 
 
-def padded_leaves(leaves: list[tuple[str, Any, str]], longest: int) -> tuple[int | None, list[int]]:
-    """``padded=True``: the batch's padded length ``P`` (the largest dim 1 of its dense tensor
-    leaves with 2 or more dims; None if it has none) and the numbers of the leaves whose dim 1
-    is ``P``: those a micro-batch cuts to its padded length. ValueError if a row costs more
-    than ``P`` (costs are then no lengths along dim 1)."""
+def padded_leaves(
+    leaves: list[tuple[str, Any, str]], longest: int, trim: Sequence[str | int] | None = None
+) -> tuple[int | None, list[int]]:
+    """``padded=True``: the batch's padded length ``P`` and the numbers of the leaves a
+    micro-batch cuts to its padded length along dim 1: those ``trim`` names (key, attribute or
+    index; ``P`` their dim 1), or, without ``trim``, every dense leaf of 2+ dims whose dim 1 is
+    the largest (``P``; None if there is none). ValueError if a row costs more than ``P``,
+    if ``trim`` names no such leaf or leaves of two lengths, or (without ``trim``) if a leaf
+    as long as the longest row but shorter than ``P`` leaves it unclear which are padded."""
     found = [
         (k, path, leaf.size(1))
         for k, (path, leaf, how) in enumerate(leaves)
         if how == "slice" and leaf.dim() >= 2
     ]
-    if not found:
+    if trim is not None:
+        found = [f for f in found if any(_names(f[1], name) for name in trim)]
+        if not found or len({size for _, _, size in found}) > 1:
+            shapes = ", ".join(f"{path} of {size}" for _, path, size in found) or "none"
+            raise ValueError(
+                f"MicroBatchRunner: TokenBudget(trim={tuple(trim)!r}) picks dense leaves of 2+ "
+                f"dims with dim 1 {shapes}; expected one or more, all as long. Name the leaves "
+                "padded along dim 1."
+            )
+    elif not found:
         return None, []
     length = max(size for _, _, size in found)
     if longest > length:
@@ -362,7 +390,22 @@ def padded_leaves(leaves: list[tuple[str, Any, str]], longest: int) -> tuple[int
             f"{length} ({path}.size(1)); expected padded=True costs to be row lengths along "
             "dim 1. Return lengths from cost(batch), or use padded=False."
         )
+    unclear = [(p, size) for _, p, size in found if longest <= size < length]
+    if unclear:
+        path, size = unclear[0]
+        raise ValueError(
+            f"MicroBatchRunner: {path} has dim 1 of {size}, as long as the longest row "
+            f"({longest}) but shorter than the padded length {length}, so which leaves are "
+            "padded is unclear; expected one padded length. Name them: TokenBudget(trim=(...))."
+        )
     return length, [k for k, _, size in found if size == length]
+
+
+def _names(path: str, name: str | int) -> bool:
+    """Whether the leaf at ``path`` (``batch['ids']``, ``batch.ids``, ``batch[0]``) is ``name``."""
+    return path.endswith(f"[{name!r}]" if isinstance(name, str) else f"[{name}]") or (
+        isinstance(name, str) and path.endswith(f".{name}")
+    )
 
 
 @dataclasses.dataclass

@@ -254,7 +254,9 @@ class MicroBatchRunner:
             )
         costs = read_counts(spec.cost(batch), n, "cost")
         items = n * [1] if spec.items is None else read_counts(spec.items(batch), n, "items")
-        cap, trim = padded_leaves(rows_of.leaves, max(costs)) if spec.padded else (None, [])
+        cap, trim = (
+            padded_leaves(rows_of.leaves, max(costs), spec.trim) if spec.padded else (None, [])
+        )
         table = _gather(opt, [float(cap or 0), *costs, *items])  # every rank's counts
         if per is None:  # the items of each position over the ranks
             weights = [sum(row[1 + n + i] for row in table) for i in range(n)]

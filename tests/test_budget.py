@@ -215,6 +215,9 @@ def test_counts_are_read_as_ints() -> None:
         ({"buckets": "pow3"}, ValueError, r"buckets='pow3'; expected 'pow2', None, or"),
         ({"buckets": [8, 0]}, ValueError, r"buckets=\[8, 0\]"),
         ({"buckets": []}, ValueError, r"buckets=\[\]"),
+        ({"trim": "ids"}, ValueError, r"trim='ids' \(padded=True\); expected a sequence"),
+        ({"trim": ()}, ValueError, r"trim=\(\) \(padded=True\)"),
+        ({"trim": ("ids",), "padded": False}, ValueError, r"trim=\('ids',\) \(padded=False\)"),
     ],
 )
 def test_bad_budgets_are_refused(
@@ -223,6 +226,28 @@ def test_bad_budgets_are_refused(
     given = {"tokens": 64, "cost": len, "padded": True, **kwargs}
     with pytest.raises(exc, match=r"^TokenBudget: " + pattern):
         TokenBudget(**given)
+
+
+def test_an_unclear_padded_length_is_refused_and_trim_names_the_padded_leaves() -> None:
+    """A per-row feature wider than the sequences would be taken for the padded leaf (and cut)
+    with ids left whole: refused, unless trim= names the padded leaves."""
+    leaves = [
+        ("batch['ids']", torch.zeros(4, 128), "slice"),
+        ("batch['labels']", torch.zeros(4, 128), "slice"),
+        ("batch['feature']", torch.zeros(4, 512), "slice"),
+        ("batch['small']", torch.zeros(4, 3), "slice"),
+        ("batch.mask", torch.zeros(4, 128), "slice"),
+        ("batch[2]", torch.zeros(4, 128), "slice"),
+    ]
+    with pytest.raises(ValueError, match=r"batch\['ids'\] has dim 1 of 128, as long as the "):
+        padded_leaves(leaves, 100)
+    assert padded_leaves(leaves, 100, ("ids", "labels", "mask", 2)) == (128, [0, 1, 4, 5])
+    assert padded_leaves(leaves, 2, ("small",)) == (3, [3])
+    for trim in (("nothing",), ("ids", "feature")):
+        with pytest.raises(ValueError, match=r"TokenBudget\(trim=.*expected one or more, all"):
+            padded_leaves(leaves, 100, trim)
+    with pytest.raises(ValueError, match=r"a row costs 200, more than the batch's padded"):
+        padded_leaves(leaves, 200, ("ids",))
 
 
 def test_bucket_lists_are_sorted_once() -> None:
