@@ -264,6 +264,34 @@ def test_padded_leaves_are_cut_to_the_micro_batch_length_and_nothing_else() -> N
     assert tally.computed == 16 + 32 + 32 + 8 and tally.tokens == 53
 
 
+def test_trim_names_the_padded_leaves_when_a_feature_is_wider() -> None:
+    """A per-row feature of 64 beside ids padded to 32: without trim= the runner cannot tell
+    which leaves are padded and refuses before running anything; with trim= it cuts ids and
+    labels only, the feature reaches loss_fn whole, and the update is the full-batch one."""
+    model, ref = TokenLM(6), TokenLM(6)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulate(sgd, every_items=math.inf)
+    widths: list[int] = []
+
+    def loss_fn(b: dict[str, Any]) -> Tensor:
+        widths.append(b["feature"].shape[1])
+        return loss_sum(model, b)
+
+    batch = {**make_batch([3, 5, 17, 20, 2, 2, 2, 2], 32, 0), "feature": torch.zeros(8, 64)}
+    for trim in (None, ("ids", "labels")):
+        spec = TokenBudget(40, cost=lengths_of, padded=True, items=tokens_of, trim=trim)
+        runner = MicroBatchRunner(acc, loss_fn, budget=spec, loss_reduction="sum")
+        if trim is None:
+            with pytest.raises(ValueError, match=r"batch\['ids'\] has dim 1 of 32, as long as"):
+                runner(batch)
+            assert acc.micro_step == 0 and widths == []
+        else:
+            runner(batch)
+    assert acc.flush() and widths == [64] * 4
+    train_reference(ref, batch, [range(8)])
+    assert_same_params(model, ref)
+
+
 def test_a_torch_compiled_model_sees_few_shapes() -> None:
     """Long-tailed random lengths in 12 batches of 64 rows: with the default buckets the
     micro-batches come in a few shapes (powers of two: rows x padded length); cut exactly,
