@@ -2,8 +2,9 @@
 
 ``Accumulate`` wraps any ``torch.optim.Optimizer`` so that it applies one update per window of
 micro-batches; ``MicroBatchRunner`` runs one large batch through it (``"auto"``: the largest
-micro-batch that fits, surviving OOM); ``micro_split`` / ``parallel_backward`` / ``apply`` split
-a batch over micro-batches and devices. Submodules: ``schedules``, ``noise``, ``batchnorm``,
+micro-batch that fits, surviving OOM; ``TokenBudget``: micro-batches cut by their tokens);
+``micro_split`` / ``parallel_backward`` / ``apply`` split a batch over micro-batches and
+devices. Submodules: ``schedules``, ``noise``, ``batchnorm``,
 ``testing`` (import them by name); ``integrations`` (Lightning, HF Trainer, Accelerate).
 """
 
@@ -14,6 +15,7 @@ from accumopt._counting import MicroStepGroup
 from accumopt._state import Phase
 from accumopt.accumulate import Accumulate
 from accumopt.autosize import NoMicroBatchFits
+from accumopt.budget import TokenBudget
 from accumopt.decorator import apply
 from accumopt.oom import is_oom
 from accumopt.parallel import parallel_backward
@@ -29,6 +31,7 @@ __all__ = [
     "PerSample",
     "Phase",
     "Piece",
+    "TokenBudget",
     "__version__",
     "apply",
     "checkpoint_position",

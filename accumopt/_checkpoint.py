@@ -226,7 +226,7 @@ def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any
             "closed": isinstance(state.get("closed"), bool),
             "updates": _count(state.get("updates")),
             "items_seen": _amount(state.get("items_seen")),
-            "size": state.get("size") is None or _amount(state.get("size")),
+            "size": state.get("size") in (None, math.inf) or _amount(state.get("size")),
         }
     bad = [name for name, ok in fields.items() if not ok]
     if bad:

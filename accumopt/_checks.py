@@ -84,10 +84,11 @@ def check_window(every: object, every_items: object) -> tuple[Any, Any]:
                 "backward passes per update (every=1: no accumulation)."
             )
         return int(every), None
-    if not _positive_real(every_items) or not math.isfinite(float(every_items)):
+    if not _positive_real(every_items):  # math.inf: a window only flush() closes
         raise ValueError(
-            f"Accumulate: every_items={every_items!r} is not a positive finite number; expected "
-            "the number of items (samples or tokens) per update, e.g. every_items=4096."
+            f"Accumulate: every_items={every_items!r} is not a positive finite number or "
+            "math.inf; expected the number of items (samples or tokens) per update, e.g. "
+            "every_items=4096 (math.inf: only opt.flush() applies the window)."
         )
     return None, float(every_items)
 

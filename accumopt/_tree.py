@@ -438,7 +438,23 @@ class RowSlicer:
 
     def cut(self, start: int, stop: int, device: torch.device | None) -> Batch:
         """Rows ``start:stop`` with their tensors moved to ``device`` (None: not moved)."""
-        values: list[Any] = []
+        return self._place(self._slices(start, stop), device)
+
+    def take(self, rows: Sequence[int], length: int = 0, trim: Iterable[int] = ()) -> Batch:
+        """The batch of ``rows``, moved to the device: a ``range`` is cut as :meth:`cut`, other
+        rows are gathered (from dense tensor leaves and per-sample sequences; TypeError for
+        other tensor kinds); the dense leaves numbered ``trim`` are cut to ``length`` along
+        dim 1."""
+        if isinstance(rows, range) and rows.step == 1:
+            parts = self._slices(rows.start, rows.stop)
+        else:
+            parts = self._gather(rows)
+        for k in trim:
+            parts[k] = parts[k][:, :length]
+        return self._place(parts, self.device)
+
+    def _slices(self, start: int, stop: int) -> list[Any]:
+        parts: list[Any] = []
         for path, leaf, how in self.leaves:
             part: Any = leaf
             if how == "tensor":
@@ -446,6 +462,27 @@ class RowSlicer:
                 part = guard(self.api, path, leaf, f"cut at rows {start}:{stop}", op)
             elif how != "whole":
                 part = leaf[start:stop]
+            parts.append(part)
+        return parts
+
+    def _gather(self, rows: Sequence[int]) -> list[Any]:
+        index = torch.tensor(list(rows), dtype=torch.long)
+        parts: list[Any] = []
+        for path, leaf, how in self.leaves:
+            part: Any = leaf
+            if how in ("slice", "tensor"):
+                op = functools.partial(torch.index_select, leaf, 0, index.to(leaf.device))
+                part = guard(self.api, path, leaf, "gather rows from for sort=True", op)
+            elif how == "rows":
+                picked = [leaf[i] for i in rows]
+                part = type(leaf)(picked) if type(leaf) in (list, tuple) else picked
+            parts.append(part)
+        return parts
+
+    def _place(self, parts: list[Any], device: torch.device | None) -> Batch:
+        """The batch rebuilt from one part per leaf, its tensors moved to ``device``."""
+        values: list[Any] = []
+        for (path, _, how), part in zip(self.leaves, parts):
             if device is None or how == "whole":
                 values.append(part)
             elif type(part) in (list, tuple):

@@ -3,9 +3,10 @@ with ``"auto"``, find the largest one that fits from OOM errors, losing or repea
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +16,15 @@ from accumopt._checks import check_count, check_count_tensor, positive_int
 from accumopt.accumulate import Accumulate
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key, logger
 from accumopt.batchnorm import warn_small_batchnorm
+from accumopt.budget import (
+    Tally,
+    TokenBudget,
+    padded_leaves,
+    plan,
+    read_counts,
+    unpadded_key,
+    window_end,
+)
 from accumopt.oom import free_memory, is_oom, memory_report
 
 Scaler: TypeAlias = "torch.amp.GradScaler | None"
@@ -30,6 +40,8 @@ class MicroBatchRunner:
     Each call processes every row once, in order, the wrapper's ``scaler`` (if any) scaling
     and stepping; a micro-batch is cut where the window in items fills (``every_items=N``: N
     rows per update over all ranks). ``"auto"`` and its rollback: README, "One big batch".
+    With ``budget=``, micro-batches are cut by their cost (tokens) instead of their rows:
+    README, "Micro-batches cut by a token budget".
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -47,17 +59,31 @@ class MicroBatchRunner:
             returns its loss (a one-element tensor that requires grad), ``(loss, items)``
             (the items it covers, e.g. tokens, a number >= 0 or one-element tensor; default:
             the rows) or ``(loss, items, outputs)``. The runner runs the backward pass.
-        micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"``.
+        micro_batch_size: rows per micro-batch (int >= 1), or ``"auto"`` (None, the default:
+            ``"auto"``, or the budget's cuts with ``budget=``).
+        budget: a :class:`accumopt.TokenBudget`: micro-batches cut by a budget on their cost
+            (tokens), their items counted on the host; the wrapper's window must be in items
+            (``every_items=T``, or ``math.inf`` with ``rows_per_update``). ``loss_fn`` then
+            returns its loss alone (or ``(loss, None, outputs)``).
         device: where micro-batches run (None: where they are), copied without blocking.
         loss_reduction: required: ``"mean"`` (``loss`` is the mean over its items) or ``"sum"``.
         model: the module ``loss_fn`` runs: its buffers are restored after a failed attempt
             (default: the wrapper's), and small micro-batches through its BatchNorm warn once.
         start_size, tolerance, grow_after, max_size: the ``"auto"`` search
-            (:class:`accumopt.autosize.MicroBatchSizer`; ``start_size=None``: the batch).
+            (:class:`accumopt.autosize.MicroBatchSizer`; ``start_size=None``: the batch; in
+            the budget's unit with ``budget=``).
+
+    Attributes:
+        sizer: the ``"auto"`` search (None before it starts, or with a fixed size).
+        budget: the ``TokenBudget``, or None. tally: with ``budget=``, what ran
+            (:class:`accumopt.budget.Tally`: padding, failed attempts and the cost they
+            wasted, the shapes run); else None.
 
     Raises:
-        TypeError: ``optimizer`` is not an ``Accumulate``.
-        ValueError: a setting out of range; ``"auto"`` over ``Accumulate(every=k)``.
+        TypeError: ``optimizer`` is not an ``Accumulate``; ``budget`` not a ``TokenBudget``.
+        ValueError: a setting out of range; ``"auto"`` or ``budget=`` over
+            ``Accumulate(every=k)``; ``budget=`` with ``micro_batch_size``;
+            ``rows_per_update`` without ``every_items=math.inf``.
         RuntimeError: ``"auto"`` with a wrapper that cannot roll back (``buffer=False``, FSDP2).
     """
 
@@ -66,7 +92,8 @@ class MicroBatchRunner:
         optimizer: Accumulate,
         loss_fn: Callable[[Any], Any],
         *,
-        micro_batch_size: int | Literal["auto"] = "auto",
+        micro_batch_size: int | Literal["auto"] | None = None,
+        budget: TokenBudget | None = None,
         device: torch.device | str | None = None,
         loss_reduction: Literal["mean", "sum"] | None = None,
         model: nn.Module | None = None,
@@ -80,13 +107,17 @@ class MicroBatchRunner:
                 f"MicroBatchRunner: optimizer is a {type(optimizer).__qualname__}; expected an "
                 "accumopt.Accumulate wrapper (Accumulate(torch.optim.AdamW(...), every_items=N))."
             )
-        auto = micro_batch_size == "auto"
+        size: Any = "auto" if micro_batch_size is None else micro_batch_size
+        if budget is not None:
+            _check_budget(optimizer, micro_batch_size, budget)
+            size = budget.tokens
+        auto = size == "auto"
         if auto and optimizer.every is not None:
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size='auto' with every={optimizer.every}; expected "
                 "Accumulate(..., every_items=N) (fixed rows per update), or a fixed size."
             )
-        if not auto and not positive_int(size := micro_batch_size):
+        if not auto and not positive_int(size):
             raise ValueError(
                 f"MicroBatchRunner: micro_batch_size={size!r}; expected an int >= 1 or 'auto'."
             )
@@ -101,15 +132,18 @@ class MicroBatchRunner:
         self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
         self.device = torch.device(device) if device is not None else None
         self.loss_reduction = loss_reduction
-        self._fixed = None if auto else int(micro_batch_size)
+        self._fixed = None if auto else int(size)
         self._start, self._search = start_size, (tolerance, grow_after, max_size)
         self.sizer: MicroBatchSizer | None = None
+        self.budget, self.tally = budget, None if budget is None else Tally()
+        self._window_rows, self._mark = 0, (0, 0)  # rows_per_update: the runner's open window
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
 
     @property
     def micro_batch_size(self) -> int | None:
-        """The fixed size, or where the ``"auto"`` search stands (None before the first call)."""
+        """The fixed size, or where the ``"auto"`` search stands (None before the first call),
+        in rows (with ``budget=``: in the budget's unit)."""
         return self._fixed if self.sizer is None else self.sizer.current
 
     @property
@@ -132,9 +166,12 @@ class MicroBatchRunner:
 
         Raises:
             RuntimeError: the wrapper refuses (``opt.discard()``), or its window waits for
-                ``step()``. NoMicroBatchFits: with ``"auto"``, one row ran out of memory.
+                ``step()``; with ``rows_per_update``, micro-steps the runner did not run are
+                in the window. NoMicroBatchFits: with ``"auto"``, one row ran out of memory.
             TypeError, ValueError: an empty or ragged batch; a ``loss_fn`` result that
-                cannot be counted or joined (the micro-batches before it were trained).
+                cannot be counted or joined (the micro-batches before it were trained); with
+                ``budget=``, bad counts from ``cost``/``items``, costs longer than the padded
+                length, items from ``loss_fn``, rows that differ between ranks.
             Others propagate; with ``"auto"`` the buffers and generators are restored.
         """
         opt = self.optimizer
@@ -147,6 +184,13 @@ class MicroBatchRunner:
         rows_of = _tree.RowSlicer(batch, self.device)
         scaler = opt.scaler if opt.scaler is not None and opt.scaler.is_enabled() else None
         totals = _Totals(return_outputs, self.loss_reduction == "mean")
+        if self.budget is not None:
+            order = self._run_budget(batch, rows_of, scaler, totals)
+            result = totals.result()
+            if return_outputs and result[1] is not None and order != sorted(order):
+                back = sorted(range(len(order)), key=order.__getitem__)  # the batch's order
+                result = result[0], _tree.RowSlicer(result[1], None).take(back)
+            return result
         if self._fixed is None:
             self._run_auto(rows_of, scaler, totals)
         else:
@@ -161,12 +205,7 @@ class MicroBatchRunner:
         opt = self.optimizer
         n, ranks = rows_of.rows, opt.world_size > 1  # read now: set_model() may follow init
         if ranks:
-            total, squares = opt.sum_over_ranks(n, n * n, "the rows of the runner's batch")
-            if squares * opt.world_size != total * total:  # equal on every rank
-                raise ValueError(
-                    f"MicroBatchRunner: this rank's batch has {n} rows, all ranks' {total:g}; "
-                    "expected as many rows on every rank with micro_batch_size='auto'."
-                )
+            _same_rows(opt, n, "micro_batch_size='auto'")
         if self.sizer is None:
             self.sizer = MicroBatchSizer(self._start or n, *self._search)
         sizer, key = self.sizer, rows_of.shape_key()
@@ -182,57 +221,154 @@ class MicroBatchRunner:
                 opened = self._snapshot(totals)
             if opened is None and not opt.rollback:
                 opt.enable_rollback()
-            restore = self._snapshot(totals) if opened is None else opened
-            failure, result = None, None
-            try:
-                result = self._forward_backward(
-                    rows_of(offset, offset + size), size, totals, scaler, ranks
-                )
-            except BaseException as err:
-                if not is_oom(err):
-                    if opened is not None:  # drop the window run without rollback
-                        opt.discard()
-                    restore()
-                    raise
-                failure = f"{type(err).__name__}: {err}"
-            if ranks:  # all ranks back off together, or none does
-                what = "a micro-batch's out-of-memory failure"
-                failed = opt.sum_over_ranks(float(failure is not None), 0.0, what)[0]
-                if failed and failure is None:
-                    failure = f"out of memory on {failed:g} other rank(s)"
-                if failure is None:
-                    opt.commit()
-            if failure is None:
-                assert result is not None
+            piece = functools.partial(rows_of, offset, offset + size)
+            result = self._attempt(piece, size, totals, scaler, ranks, opened)
+            if not isinstance(result, str):
                 sizer.succeeded(key, size)
                 self._step(scaler)
                 totals.add(*result, size)
                 if opened is not None and opt.micro_step == 0:  # the window was applied
                     opened = None
                 continue
-            result = None  # outside the except block: the traceback is gone
-            if opened is not None:
-                opt.discard()
-            else:
-                opt.drop_micro_step()
-            restore()
             opened = None
             if totals.rows < offset:  # the window starts again from its first row
                 logger.info("window restarted at row %d, failed at row %d", totals.rows, offset)
-            free_memory()
-            try:
-                sizer.failed(key, size)
-            except NoMicroBatchFits as err:
-                raise NoMicroBatchFits(
-                    f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
-                ) from None
+            self._back_off(key, size, result)
+
+    def _run_budget(
+        self, batch: Any, rows_of: _tree.RowSlicer, scaler: Scaler, totals: _Totals
+    ) -> list[int]:
+        """The loop of ``budget=``: every row once, window by window (README: "Micro-batches cut
+        by a token budget"); returns the rows in the order they ran."""
+        opt, spec = self.optimizer, cast(TokenBudget, self.budget)
+        n, rank, world = rows_of.rows, opt.rank, opt.world_size
+        if world > 1:
+            _same_rows(opt, n, "budget=")
+        per = None if spec.rows_per_update is None else _per_rank(opt, spec.rows_per_update)
+        if per is not None and opt.micro_step and self._mark != (opt.updates, opt.micro_step):
+            raise RuntimeError(
+                f"MicroBatchRunner: the wrapper's window holds {opt.micro_step} micro-step(s) "
+                "the runner did not run, so the rows of its window are unknown; expected "
+                "rows_per_update's windows fed by the runner alone. Call opt.flush() or "
+                "opt.discard() first."
+            )
+        costs = read_counts(spec.cost(batch), n, "cost")
+        items = n * [1] if spec.items is None else read_counts(spec.items(batch), n, "items")
+        cap, trim = (
+            padded_leaves(rows_of.leaves, max(costs), spec.trim) if spec.padded else (None, [])
+        )
+        table = _gather(opt, [float(cap or 0), *costs, *items])  # every rank's counts
+        if per is None:  # the items of each position over the ranks
+            weights = [sum(row[1 + n + i] for row in table) for i in range(n)]
+        else:  # the rows of each rank
+            weights = n * [1.0]
+
+        def ends(start: int) -> tuple[int, bool]:
+            if per is not None:
+                if not opt.micro_step:  # a window flushed or discarded since
+                    self._window_rows = 0
+                return window_end(weights, start, per - self._window_rows)
+            return window_end(weights, start, cast(float, opt.every_items) - opt.items)
+
+        counts = [([int(c) for c in row[1 : 1 + n]], int(row[0]) or None) for row in table]
+        cuts_of = plan(spec, counts, ends, last=per is None)
+        tally, key, order = cast(Tally, self.tally), unpadded_key(rows_of.shape_key()), []
+        cuts_of.ready()  # the first window opens (a batch has rows)
+        if self._fixed is None and self.sizer is None:  # it starts the search, whole
+            self.sizer = MicroBatchSizer(self._start or cuts_of.available(), *self._search)
+        sizer = self.sizer if self._fixed is None else None
+        while cuts_of.ready():
+            size = self._fixed or cast(MicroBatchSizer, sizer).propose(key, cuts_of.available())
+            cuts = cuts_of.next(size)
+            mine, cost = cuts[rank], max(cut.cost for cut in cuts)
+            warn_small_batchnorm(self.model, len(mine.rows))
+            piece = functools.partial(rows_of.take, mine.rows, mine.length or 0, trim)
+            weight = sum(items[i] for i in mine.rows)
+            if sizer is None:
+                result = self._forward_backward(piece(), weight, totals, scaler, False)
+            elif isinstance(
+                got := self._attempt(piece, weight, totals, scaler, world > 1, None), str
+            ):
+                tally.lost(mine)
+                self._back_off(key, 1 if max(len(c.rows) for c in cuts) == 1 else cost, got)
+                continue
+            else:
+                result = got
+                sizer.succeeded(key, min(cost, size))
+            tally.ran(mine, cuts_of.ranks[rank].costs)
+            self._step(scaler)
+            totals.add(*result, len(mine.rows))
+            order += mine.rows
+            closes = cuts_of.closes
+            cuts_of.advance()
+            if per is not None:
+                self._window_rows += len(mine.rows)
+                if closes:
+                    opt.flush()
+                    self._window_rows = 0
+                self._mark = opt.updates, opt.micro_step
+        return order
+
+    def _attempt(
+        self,
+        piece: Callable[[], Any],
+        rows: int,
+        totals: _Totals,
+        scaler: Scaler,
+        ranks: bool,
+        opened: Callable[[], None] | None,
+    ) -> tuple[Tensor, Tensor | None, float, Any] | str:
+        """Run ``piece()`` (of ``rows`` default items) as a micro-step that may run out of
+        memory: :meth:`_forward_backward`'s result, or the error (a str) with the micro-step (or
+        the window ``opened`` without rollback) dropped and ``totals``, the buffers and the
+        generators restored, memory freed; the ranks agree. Other errors propagate, restored
+        alike."""
+        opt = self.optimizer
+        restore = self._snapshot(totals) if opened is None else opened
+        failure, result = None, None
+        try:
+            result = self._forward_backward(piece(), rows, totals, scaler, ranks)
+        except BaseException as err:
+            if not is_oom(err):
+                if opened is not None:  # drop the window run without rollback
+                    opt.discard()
+                restore()
+                raise
+            failure = f"{type(err).__name__}: {err}"
+        if ranks:  # all ranks back off together, or none does
+            what = "a micro-batch's out-of-memory failure"
+            failed = opt.sum_over_ranks(float(failure is not None), 0.0, what)[0]
+            if failed and failure is None:
+                failure = f"out of memory on {failed:g} other rank(s)"
+            if failure is None:
+                opt.commit()
+        if failure is None:
+            assert result is not None
+            return result
+        result = None  # outside the except block: the traceback is gone
+        if opened is not None:
+            opt.discard()
+        else:
+            opt.drop_micro_step()
+        restore()
+        free_memory()
+        return failure
+
+    def _back_off(self, key: Any, size: int, failure: str) -> None:
+        """Record an out-of-memory error at ``size`` for ``key``; NoMicroBatchFits at 1."""
+        try:
+            cast(MicroBatchSizer, self.sizer).failed(key, size)
+        except NoMicroBatchFits as err:
+            raise NoMicroBatchFits(
+                f"{err} Memory: {memory_report(self.device)}. Last error: {failure[:400]}"
+            ) from None
 
     def _forward_backward(
         self, piece: Any, rows: int, totals: _Totals, scaler: Scaler, hold: bool
     ) -> tuple[Tensor, Tensor | None, float, Any]:
         """``loss_fn`` and backward on ``piece``: (loss, seed of a mean's pass, items, out)."""
         opt = self.optimizer
-        loss, items, out = _parse(self.loss_fn(piece), rows)
+        loss, items, out = _parse(self.loss_fn(piece), rows, self.budget is not None)
         if totals.keep:  # before the backward pass: a micro-batch refused here is not counted
             _joined(out, totals.reference)
         if totals.mean and items == 0:  # 0/0 has a NaN gradient: backpropagate an exact zero
@@ -279,9 +415,66 @@ class MicroBatchRunner:
         return restore
 
 
+def _check_budget(opt: Accumulate, micro_batch_size: object, spec: object) -> None:
+    """Refuse a ``budget=`` the runner cannot honour with ``opt``."""
+    if not isinstance(spec, TokenBudget):
+        raise TypeError(
+            f"MicroBatchRunner: budget={_tree.short(spec)} is a {type(spec).__qualname__}; "
+            "expected an accumopt.TokenBudget. Pass budget=TokenBudget(8192, cost=..., padded=...)."
+        )
+    if micro_batch_size is not None:
+        raise ValueError(
+            f"MicroBatchRunner: micro_batch_size={micro_batch_size!r} with budget=; expected one "
+            "of them (a budget cuts micro-batches by cost, not rows). Leave micro_batch_size out."
+        )
+    if opt.every is not None:
+        raise ValueError(
+            f"MicroBatchRunner: budget= with every={opt.every}; expected a window in items, "
+            "Accumulate(..., every_items=T). Count the window in items (tokens), or in rows "
+            "with every_items=math.inf and TokenBudget(rows_per_update=N)."
+        )
+    if spec.rows_per_update is not None and opt.every_items != math.inf:
+        raise ValueError(
+            f"MicroBatchRunner: TokenBudget(rows_per_update={spec.rows_per_update}) with "
+            f"every_items={opt.every_items:g}; expected Accumulate(..., every_items=math.inf), "
+            "whose windows the runner closes (opt.flush()). Build the wrapper that way."
+        )
+
+
+def _per_rank(opt: Accumulate, rows: int) -> int:
+    """``rows_per_update`` rows of each window over all ranks, as rows of each rank."""
+    if rows % opt.world_size:
+        raise ValueError(
+            f"MicroBatchRunner: TokenBudget(rows_per_update={rows}) over {opt.world_size} ranks; "
+            "expected a multiple of the ranks (each runs as many rows). Pick another size."
+        )
+    return rows // int(opt.world_size)
+
+
+def _same_rows(opt: Accumulate, rows: int, setting: str) -> None:
+    """Refuse (on every rank) a batch whose rows differ between the ranks."""
+    total, squares = opt.sum_over_ranks(rows, rows * rows, "the rows of the runner's batch")
+    if squares * opt.world_size != total * total:  # equal on every rank
+        raise ValueError(
+            f"MicroBatchRunner: this rank's batch has {rows} rows, all ranks' {total:g}; "
+            f"expected as many rows on every rank with {setting}."
+        )
+
+
+def _gather(opt: Accumulate, row: list[float]) -> list[list[float]]:
+    """Every rank's ``row`` (as long on every rank), by one sum over the ranks (a sync)."""
+    if opt.world_size == 1:
+        return [row]
+    device = opt.param_groups[0]["params"][0].device  # where the model's group reduces
+    table = torch.zeros(opt.world_size, len(row), dtype=torch.float64, device=device)
+    table[opt.rank] = torch.tensor(row, dtype=torch.float64)
+    opt.all_reduce_([table])
+    return cast(list[list[float]], table.tolist())
+
+
 def _room(opt: Accumulate, rows: int) -> int:
     """Of ``rows``, those (>= 1) that fill the window in items at one item per row per rank."""
-    if (size := opt.every_items) is None:
+    if (size := opt.every_items) is None or size == math.inf:
         return rows
     return min(rows, max(1, math.ceil((size - float(opt.items)) / float(opt.world_size))))
 
@@ -298,17 +491,27 @@ def _pieces(rows_of: _tree.RowSlicer, size: int, opt: Accumulate) -> Iterator[tu
         offset += rows
 
 
-def _parse(result: Any, rows: int) -> tuple[Tensor, float, Any]:
-    """``loss_fn``'s result as (loss, items, outputs), refusing what cannot be counted (an items
-    tensor is read once: a sync)."""
+def _parse(result: Any, rows: int, counted: bool = False) -> tuple[Tensor, float, Any]:
+    """``loss_fn``'s result as (loss, items, outputs), items left out as ``rows``, refusing what
+    cannot be counted (an items tensor is read once: a sync); when the runner ``counted`` them
+    on the host (``budget=``), the items must be None or left out: ``rows``."""
     items: float
     if isinstance(result, Tensor):
         loss, items, out = result, rows, None  # an int: the wrapper's quickest count
     elif isinstance(result, tuple) and len(result) in (2, 3):
         loss, n, out = result[0], result[1], (result[2] if len(result) == 3 else None)
         what, covers = "MicroBatchRunner: loss_fn returned items", "the micro-batch's loss"
+        if counted and n is not None:
+            raise ValueError(
+                f"MicroBatchRunner: loss_fn returned items={_tree.short(n)} with budget=, which "
+                "counts each micro-batch's items on the host; expected the loss alone, or (loss, "
+                "None, outputs). Give the count as TokenBudget(items=...) (one per row by "
+                f"default). {NOT_TRAINED}"
+            )
         try:
-            if not isinstance(n, Tensor):
+            if counted:
+                items = rows
+            elif not isinstance(n, Tensor):
                 items = check_count(n, what, covers, ", which")
             else:
                 check_count_tensor(n, f"{what}={_tree.short(n)}, which")

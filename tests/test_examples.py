@@ -50,6 +50,17 @@ def test_char_lm_token_weighting_is_exact_and_uniform_is_not() -> None:
 
 
 @pytest.mark.slow
+def test_token_budget_is_exact_and_pads_less_than_a_row_cap() -> None:
+    out = load("token_budget").main(["--windows", "4"])
+    assert out["max_abs_diff"] < 1e-12
+    cap, budget, exact = out["row cap"], out["token budget"], out["exact shapes"]
+    assert exact["padding"] < budget["padding"] < cap["padding"]
+    assert budget["micro_steps"] < cap["micro_steps"]
+    assert budget["shapes"] < exact["shapes"]
+    assert abs(budget["loss"] - cap["loss"]) < 1e-3  # the same updates, in float32
+
+
+@pytest.mark.slow
 def test_autosize_digits_oom_recovery_matches_unlimited_run() -> None:
     out = load("autosize_digits").main(["--epochs", "2", "--compare-epochs", "1"])
     assert out["max_abs_param_diff"] < 1e-12

@@ -10,6 +10,7 @@ in micro-steps, one per window (read at its close), none inside it.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -18,10 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import accumopt
-from accumopt import Accumulate, MicroBatchRunner
+from accumopt import Accumulate, MicroBatchRunner, TokenBudget
 
 PACKAGE = os.path.dirname(accumopt.__file__)
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
@@ -130,3 +132,37 @@ def test_the_runner_with_integer_items_syncs_nothing(monkeypatch: pytest.MonkeyP
     with counted_syncs(monkeypatch) as seen:
         runner((x, y))
     assert opt.updates == 2 and seen == []
+
+
+@pytest.mark.parametrize("tokens", [12, "auto"])
+def test_the_budget_runner_reads_its_counts_once_per_call(
+    tokens: int | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``budget=``: each micro-step's items are summed on the host from the per-row counts,
+    which are read once per call (two reads of host tensors: the lengths and the loss-bearing
+    tokens, no device sync), none per micro-step, also in windows the runner flushes."""
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=math.inf)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 6, (16,), generator=g)
+    labels = torch.where(torch.arange(6) < lengths[:, None], 1, -100)
+    batch = {"ids": torch.randint(0, 5, (16, 6), generator=g), "labels": labels, "lengths": lengths}
+    spec = TokenBudget(
+        tokens,  # type: ignore[arg-type]
+        cost=lambda b: b["lengths"],
+        items=lambda b: (b["labels"] != -100).sum(1),
+        padded=True,
+        rows_per_update=8,
+    )
+    steps = [0]
+
+    def loss_fn(b: dict[str, torch.Tensor]) -> torch.Tensor:
+        steps[0] += 1
+        logits = model(b["ids"])
+        return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum")
+
+    runner = MicroBatchRunner(opt, loss_fn, budget=spec, start_size=6, loss_reduction="sum")
+    with counted_syncs(monkeypatch) as seen:
+        runner(batch)
+    assert opt.updates == 2 and steps[0] > 2
+    assert [where.split(":")[0] for where in seen] == ["budget.py", "budget.py"], seen
