@@ -15,7 +15,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
+import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,6 +40,22 @@ def _setup(namespace: dict[str, Any]) -> None:
     torch.manual_seed(0)
 
 
+def _reset_accelerate() -> None:
+    """A Trainer or an Accelerator stopped inside a window leaves Accelerate's process-wide
+    state saying that gradients do not sync, which every later wrapper in the process refuses
+    (as accumulation around it): each test and page starts from a fresh state."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    yield
+    _reset_accelerate()
+
+
 def _teardown(namespace: dict[str, Any]) -> None:
     """Free the page's wrappers and restore what a page may change. A page whose loop leaves a
     window never applied fails here (as a reader's run would warn), so its blocks flush."""
@@ -49,6 +67,7 @@ def _teardown(namespace: dict[str, Any]) -> None:
     torch.set_default_dtype(dtype)
     torch.set_num_threads(threads)
     logging.getLogger("accumopt").setLevel(logging.NOTSET)
+    _reset_accelerate()
     unapplied = [str(w.message) for w in caught if "never applied" in str(w.message)]
     assert not unapplied, f"a page ended inside a window: {unapplied}"
 

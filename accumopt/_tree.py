@@ -1,10 +1,11 @@
 """Nested batches: count their rows, cut rows ``i:j`` out of them, join pieces back.
 
-The rules are the README's "What a batch may hold": rows ``n`` are dim 0 of the tensor leaves;
-``Mapping`` subclasses and dataclasses are rebuilt as ``type(obj)(dict_of_items)`` and
-``type(obj)(**init_fields)`` (:func:`_take_apart`); :func:`check` refuses tensor kinds; a
-``list`` or ``tuple`` (exactly) holding no tensor is cut if its length is ``n`` and sets no
-``n``. The usual batch (a dense tensor, or a tuple, list or dict of them) skips pytree.
+The rules are docs/guide/several-devices.md, "What a batch may hold": rows ``n`` are dim 0 of
+the tensor leaves; ``Mapping`` subclasses and dataclasses are rebuilt as
+``type(obj)(dict_of_items)`` and ``type(obj)(**init_fields)`` (:func:`_take_apart`);
+:func:`check` refuses tensor kinds; a ``list`` or ``tuple`` (exactly) holding no tensor is cut if
+its length is ``n`` and sets no ``n``. The usual batch (a dense tensor, or a tuple, list or dict
+of them) skips pytree.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Accumulate(torch.optim.Optimizer):
     """Wrap any ``torch.optim.Optimizer`` so that it steps once per window of micro-batches.
 
     Each backward pass into a wrapped parameter is one micro-step; the loop stays as it was
-    (README: "Quick start", "How it works, in plain words").
+    (docs/guide/loop.md).
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` but LBFGS; its ``param_groups``, ``state`` and
@@ -91,7 +91,7 @@ class Accumulate(torch.optim.Optimizer):
         optimizer: the inner optimizer. last_window (:class:`~accumopt._state.Window` | None):
             the last boundary. noise_scale: the estimator, or None. driven_by (str | None): the
             framework cutting the windows (set by integrations; None: framework accumulation is
-            refused, README "Using accumopt with your framework").
+            refused, docs/frameworks/).
 
     Raises:
         TypeError: ``optimizer`` not an optimizer, already wrapped, or LBFGS; ``scaler`` not a

@@ -1,6 +1,6 @@
 """Find the largest micro-batch that fits, during training, from out-of-memory errors alone: per
 input shape, double without a failure, halve without a success, else bisect between the largest
-size that ran and the smallest that failed (README: "One big batch")."""
+size that ran and the smallest that failed (docs/guide/one-big-batch.md)."""
 
 from __future__ import annotations
 

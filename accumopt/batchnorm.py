@@ -1,5 +1,5 @@
 """BatchNorm under micro-batching (each micro-batch normalised with its own statistics): a
-one-time warning, and a remedy for the running statistics (README: "One big batch")."""
+one-time warning, and a remedy for the running statistics (docs/guide/one-big-batch.md)."""
 
 from __future__ import annotations
 

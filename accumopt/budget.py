@@ -1,7 +1,7 @@
 """Cut a batch's rows into micro-batches by a budget on their cost (tokens, usually): the
 planning half of ``MicroBatchRunner(..., budget=TokenBudget(...))``, pure Python on host data.
 
-The rules (README: "Micro-batches cut by a token budget"):
+The rules (docs/guide/one-big-batch.md, "Micro-batches cut by a token budget"):
 
 - Windows first. The rows are cut into windows where the wrapper's window fills (rows
   counted one each for ``rows_per_update``, items for ``every_items``): a window's rows do
@@ -26,6 +26,7 @@ import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
+import torch
 from torch import Tensor
 
 from accumopt._checks import positive_int
@@ -39,7 +40,7 @@ Ends: TypeAlias = "Callable[[int], tuple[int, bool]]"
 @dataclasses.dataclass(frozen=True)
 class TokenBudget:
     """How :class:`accumopt.MicroBatchRunner` cuts micro-batches by a budget on their cost
-    (``budget=TokenBudget(...)``; README: "Micro-batches cut by a token budget").
+    (``budget=TokenBudget(...)``; docs/guide/one-big-batch.md).
 
     Example (the cuts it makes: :func:`plan`):
         >>> spec = TokenBudget(16, cost=lambda batch: batch["lengths"], padded=True)
@@ -55,13 +56,13 @@ class TokenBudget:
             call, with the batch as given. A row costs at least 1.
         padded: required. True: a micro-batch costs its rows x its padded length (its
             longest row's cost rounded up to a bucket), and the batch's tensor leaves padded
-            along dim 1 are cut to that length (README); False: the sum of its rows' costs
+            along dim 1 are cut to that length (``trim``); False: the sum of its rows' costs
             (packed or varlen batches; nothing is cut).
         items: ``items(batch)`` -> each row's items, the weight of its loss (ints >= 0, e.g.
             loss-bearing tokens ``(batch["labels"] != -100).sum(1)``), read once per call
             like ``cost``; None: one item per row. ``loss_fn`` then returns only its loss.
-        sort: run each window's rows longest first (less padding, the same update; see
-            README on BatchNorm); the outputs come back in the batch's order.
+        sort: run each window's rows longest first (less padding, the same update; BatchNorm:
+            docs/guide/one-big-batch.md); refused with ``return_outputs=True``.
         rows_per_update: end each window after exactly this many rows over all ranks (with
             ``Accumulate(..., every_items=math.inf)``, the runner flushes it), weighted by
             ``items``; None: the wrapper's ``every_items`` ends it.
@@ -402,10 +403,38 @@ def padded_leaves(
 
 
 def _names(path: str, name: str | int) -> bool:
-    """Whether the leaf at ``path`` (``batch['ids']``, ``batch.ids``, ``batch[0]``) is ``name``."""
-    return path.endswith(f"[{name!r}]" if isinstance(name, str) else f"[{name}]") or (
-        isinstance(name, str) and path.endswith(f".{name}")
-    )
+    """Whether the leaf at ``path`` is the batch's own ``name`` (``batch['ids']``, ``batch.ids``,
+    ``batch[0]``), not a leaf of that name nested deeper."""
+    if isinstance(name, int):
+        return path == f"batch[{name}]"
+    return path in (f"batch[{name!r}]", f"batch.{name}")
+
+
+def check_padding(
+    leaves: list[tuple[str, Any, str]], trim: list[int], costs: list[int], length: int
+) -> None:
+    """ValueError unless every host leaf numbered ``trim`` holds one value (its padding) at every
+    position past its row's cost along dim 1, up to ``length``: a cost shorter than the row
+    (its loss-bearing tokens, say) would have the cut drop real tokens, and a per-row feature as
+    wide as ``length`` is no padded leaf. Leaves on an accelerator are not read (a sync)."""
+    past = torch.arange(length)[None, :] >= torch.tensor(costs)[:, None]
+    if not bool(past.any()):
+        return
+    for k in trim:
+        path, leaf, _ = leaves[k]
+        if leaf.device.type != "cpu":
+            continue
+        pads = leaf[:, :length][past]
+        same = pads == pads[0]
+        if pads.is_floating_point() or pads.is_complex():
+            same |= pads.isnan() & pads[0].isnan()
+        if not bool(same.all()):
+            raise ValueError(
+                f"MicroBatchRunner: {path} holds other values than one padding value past some "
+                "row's cost along dim 1; expected padded=True costs to be each row's full length "
+                "(all past it padding). Return the lengths from cost(batch), or name the padded "
+                "leaves with TokenBudget(trim=...)."
+            )
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """``@accumopt.apply``: a drop-in for mbp-pytorch's ``@mbp.apply``, with its defects fixed (a
 short last micro-batch weighted by its rows, every sample processed, a ``GradScaler``, bad calls
-refused, one call one micro-step of a wrapper): README, "mbp-pytorch users"."""
+refused, one call one micro-step of a wrapper): docs/guide/one-big-batch.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al. 2018, App. A.1), online:
 as ``E|G_B|² = |G|² + tr(Σ)/B``, from the squared norms of a window's first micro-step's and the
-whole window's gradients. README: "Batch-size schedules and the gradient noise scale"."""
+whole window's gradients. docs/guide/schedules.md."""
 
 from __future__ import annotations
 

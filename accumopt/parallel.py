@@ -43,8 +43,8 @@ def parallel_backward(
     ``(total / total_items).backward()`` (0 items: ``total`` undivided).
 
     One device listed several times runs the pieces in turn on ``model``; distinct CUDA devices
-    run them concurrently on replicas, buffer updates dropped as in ``DataParallel`` (README,
-    "Several devices in one process"). BatchNorm normalises each piece alone.
+    run them concurrently on replicas, buffer updates dropped as in ``DataParallel`` (docs/guide/
+    several-devices.md). BatchNorm normalises each piece alone.
 
     Returns:
         The mean loss over the call's samples (or items): a detached 0-dim tensor on

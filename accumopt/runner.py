@@ -19,6 +19,7 @@ from accumopt.batchnorm import warn_small_batchnorm
 from accumopt.budget import (
     Tally,
     TokenBudget,
+    check_padding,
     padded_leaves,
     plan,
     read_counts,
@@ -39,9 +40,9 @@ class MicroBatchRunner:
 
     Each call processes every row once, in order, the wrapper's ``scaler`` (if any) scaling
     and stepping; a micro-batch is cut where the window in items fills (``every_items=N``: N
-    rows per update over all ranks). ``"auto"`` and its rollback: README, "One big batch".
-    With ``budget=``, micro-batches are cut by their cost (tokens) instead of their rows:
-    README, "Micro-batches cut by a token budget".
+    rows per update over all ranks). ``"auto"`` and its rollback: docs/guide/one-big-batch.md.
+    With ``budget=``, micro-batches are cut by their cost (tokens) instead of their rows
+    (:class:`accumopt.TokenBudget`).
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -185,12 +186,14 @@ class MicroBatchRunner:
         scaler = opt.scaler if opt.scaler is not None and opt.scaler.is_enabled() else None
         totals = _Totals(return_outputs, self.loss_reduction == "mean")
         if self.budget is not None:
-            order = self._run_budget(batch, rows_of, scaler, totals)
-            result = totals.result()
-            if return_outputs and result[1] is not None and order != sorted(order):
-                back = sorted(range(len(order)), key=order.__getitem__)  # the batch's order
-                result = result[0], _tree.RowSlicer(result[1], None).take(back)
-            return result
+            if return_outputs and self.budget.sort:
+                raise ValueError(
+                    "MicroBatchRunner: return_outputs=True with TokenBudget(sort=True), whose "
+                    "outputs come in the order the rows ran; expected sort=False to get them in "
+                    "the batch's order. Nothing of this batch was run."
+                )
+            self._run_budget(batch, rows_of, scaler, totals)
+            return totals.result()
         if self._fixed is None:
             self._run_auto(rows_of, scaler, totals)
         else:
@@ -237,9 +240,9 @@ class MicroBatchRunner:
 
     def _run_budget(
         self, batch: Any, rows_of: _tree.RowSlicer, scaler: Scaler, totals: _Totals
-    ) -> list[int]:
-        """The loop of ``budget=``: every row once, window by window (README: "Micro-batches cut
-        by a token budget"); returns the rows in the order they ran."""
+    ) -> None:
+        """The loop of ``budget=``: every row once, window by window (docs: "One big batch",
+        "Micro-batches cut by a token budget")."""
         opt, spec = self.optimizer, cast(TokenBudget, self.budget)
         n, rank, world = rows_of.rows, opt.rank, opt.world_size
         if world > 1:
@@ -257,6 +260,8 @@ class MicroBatchRunner:
         cap, trim = (
             padded_leaves(rows_of.leaves, max(costs), spec.trim) if spec.padded else (None, [])
         )
+        if trim:
+            check_padding(rows_of.leaves, trim, costs, cast(int, cap))
         table = _gather(opt, [float(cap or 0), *costs, *items])  # every rank's counts
         if per is None:  # the items of each position over the ranks
             weights = [sum(row[1 + n + i] for row in table) for i in range(n)]
@@ -272,7 +277,7 @@ class MicroBatchRunner:
 
         counts = [([int(c) for c in row[1 : 1 + n]], int(row[0]) or None) for row in table]
         cuts_of = plan(spec, counts, ends, last=per is None)
-        tally, key, order = cast(Tally, self.tally), unpadded_key(rows_of.shape_key()), []
+        tally, key = cast(Tally, self.tally), unpadded_key(rows_of.shape_key())
         cuts_of.ready()  # the first window opens (a batch has rows)
         if self._fixed is None and self.sizer is None:  # it starts the search, whole
             self.sizer = MicroBatchSizer(self._start or cuts_of.available(), *self._search)
@@ -298,7 +303,6 @@ class MicroBatchRunner:
             tally.ran(mine, cuts_of.ranks[rank].costs)
             self._step(scaler)
             totals.add(*result, len(mine.rows))
-            order += mine.rows
             closes = cuts_of.closes
             cuts_of.advance()
             if per is not None:
@@ -307,7 +311,6 @@ class MicroBatchRunner:
                     opt.flush()
                     self._window_rows = 0
                 self._mark = opt.updates, opt.micro_step
-        return order
 
     def _attempt(
         self,

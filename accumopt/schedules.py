@@ -1,5 +1,5 @@
 """Window schedules for ``every=`` (micro-steps) or ``every_items=`` (items): any callable
-``f(updates, items_seen) -> size``, asked when a window opens (README: "Batch-size schedules")."""
+``f(updates, items_seen) -> size``, asked when a window opens (docs/guide/schedules.md)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def micro_split(
 ) -> list[Piece]:
     """Split ``batch`` along dim 0 into one piece per listed device, and move each piece there.
 
-    What is cut and what goes whole: README, "What a batch may hold". Tensors are moved with
+    What is cut and what goes whole: docs/guide/several-devices.md. Tensors are moved with
     ``.to(device, non_blocking=True)``, a dense CPU slice bound for CUDA pinned first. Without
     ``weights`` sizes differ by at most one row, the first pieces larger (10 rows on 3 devices:
     4, 3, 3); with them piece ``k`` gets ``n * weights[k] / sum(weights)`` rows by largest

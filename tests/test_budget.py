@@ -238,9 +238,12 @@ def test_an_unclear_padded_length_is_refused_and_trim_names_the_padded_leaves() 
         ("batch['small']", torch.zeros(4, 3), "slice"),
         ("batch.mask", torch.zeros(4, 128), "slice"),
         ("batch[2]", torch.zeros(4, 128), "slice"),
+        ("batch['ctx']['ids']", torch.zeros(4, 128), "slice"),
+        ("batch[3][2]", torch.zeros(4, 128), "slice"),
     ]
     with pytest.raises(ValueError, match=r"batch\['ids'\] has dim 1 of 128, as long as the "):
         padded_leaves(leaves, 100)
+    # a name is the batch's own leaf, never one of that name nested deeper
     assert padded_leaves(leaves, 100, ("ids", "labels", "mask", 2)) == (128, [0, 1, 4, 5])
     assert padded_leaves(leaves, 2, ("small",)) == (3, [3])
     for trim in (("nothing",), ("ids", "feature")):

@@ -139,14 +139,16 @@ def test_the_budget_runner_reads_its_counts_once_per_call(
     tokens: int | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``budget=``: each micro-step's items are summed on the host from the per-row counts,
-    which are read once per call (two reads of host tensors: the lengths and the loss-bearing
-    tokens, no device sync), none per micro-step, also in windows the runner flushes."""
+    which are read once per call (reads of host tensors: the lengths and the loss-bearing tokens,
+    and the check that the trimmed leaves hold padding past each row's length; no device sync),
+    none per micro-step, also in windows the runner flushes."""
     model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5))
     opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=math.inf)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 6, (16,), generator=g)
     labels = torch.where(torch.arange(6) < lengths[:, None], 1, -100)
-    batch = {"ids": torch.randint(0, 5, (16, 6), generator=g), "labels": labels, "lengths": lengths}
+    ids = torch.where(torch.arange(6) < lengths[:, None], torch.randint(1, 5, (16, 6)), 0)
+    batch = {"ids": ids, "labels": labels, "lengths": lengths}
     spec = TokenBudget(
         tokens,  # type: ignore[arg-type]
         cost=lambda b: b["lengths"],
@@ -165,4 +167,5 @@ def test_the_budget_runner_reads_its_counts_once_per_call(
     with counted_syncs(monkeypatch) as seen:
         runner(batch)
     assert opt.updates == 2 and steps[0] > 2
-    assert [where.split(":")[0] for where in seen] == ["budget.py", "budget.py"], seen
+    # the counts (2 reads), and the padding check of the 2 trimmed leaves (3): all per call
+    assert [where.split(":")[0] for where in seen] == ["budget.py"] * 5, seen

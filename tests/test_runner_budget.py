@@ -366,9 +366,10 @@ def test_a_row_that_alone_runs_out_of_memory_is_a_clear_error() -> None:
     assert acc.micro_step == 1  # the first row ran; the window waits for the rest
 
 
-def test_sorted_rows_give_their_outputs_back_in_the_batch_order() -> None:
-    """sort=True runs each window's rows longest first; return_outputs joins the outputs in
-    the batch's order again (here one per row: the row's summed loss)."""
+def test_outputs_come_in_the_batch_order_and_sorted_rows_refuse_them() -> None:
+    """return_outputs joins the outputs in the batch's order (here one per row: the row's summed
+    loss); with sort=True the rows run in another order, which outputs of any shape (per token,
+    PerSample, ...) cannot always be put back from: refused before anything runs."""
     model = TokenLM(7)
     acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=1000)
 
@@ -378,15 +379,46 @@ def test_sorted_rows_give_their_outputs_back_in_the_batch_order() -> None:
         ).sum(1)
         return per_row.sum(), None, per_row.detach()
 
-    spec = TokenBudget(32, cost=lengths_of, padded=False, items=tokens_of, sort=True)
-    runner = MicroBatchRunner(acc, loss_fn, budget=spec, loss_reduction="sum")
     batch = make_batch([2, 9, 4, 16, 1, 7, 12, 3], 16, 3)
     expected = F.cross_entropy(
         model(batch["ids"]).transpose(1, 2), batch["labels"], reduction="none"
     )
+    spec = TokenBudget(32, cost=lengths_of, padded=False, items=tokens_of, sort=True)
+    runner = MicroBatchRunner(acc, loss_fn, budget=spec, loss_reduction="sum")
+    with pytest.raises(ValueError, match=r"return_outputs=True with TokenBudget\(sort=True\)"):
+        runner(batch, return_outputs=True)
+    assert acc.micro_step == 0
+    spec = TokenBudget(32, cost=lengths_of, padded=False, items=tokens_of)
+    runner = MicroBatchRunner(acc, loss_fn, budget=spec, loss_reduction="sum")
     mean, outputs = runner(batch, return_outputs=True)
     torch.testing.assert_close(outputs, expected.sum(1).detach())
     torch.testing.assert_close(mean, expected.sum() / tokens_of(batch).sum())
+
+
+def test_costs_shorter_than_the_rows_are_refused_before_anything_runs() -> None:
+    """padded=True cuts each row past its cost: a cost shorter than the row (its loss-bearing
+    tokens, lengths - 1) would drop real tokens, and a per-row feature exactly as wide as the
+    padded length is no padded leaf. Both show as values other than padding past a row's cost
+    (checked on the host batch), refused before any micro-batch runs."""
+    model = TokenLM(9)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=math.inf)
+    batch = make_batch([3, 5, 8, 2], 8, 1)
+    for cost, extra in (
+        (tokens_of, {}),
+        (lambda b: b["lengths"] - 1, {}),
+        (lengths_of, {"style": torch.randn(4, 8)}),
+    ):
+        spec = TokenBudget(16, cost=cost, padded=True, items=tokens_of)
+        runner = MicroBatchRunner(
+            acc, lambda b: loss_sum(model, b), budget=spec, loss_reduction="sum"
+        )
+        with pytest.raises(ValueError, match=r"holds other values than one padding value past"):
+            runner({**batch, **extra})
+        assert acc.micro_step == 0
+    spec = TokenBudget(16, cost=lengths_of, padded=True, items=tokens_of, trim=("ids", "labels"))
+    runner = MicroBatchRunner(acc, lambda b: loss_sum(model, b), budget=spec, loss_reduction="sum")
+    runner({**batch, "style": torch.randn(4, 8)})
+    assert acc.flush()
 
 
 def test_packed_rows_as_per_sample_sequences() -> None:

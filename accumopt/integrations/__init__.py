@@ -1,2 +1,2 @@
-"""Optional adapters (README "Using accumopt with your framework"): ``lightning``, ``hf_trainer``,
+"""Optional adapters (docs/frameworks/): ``lightning``, ``hf_trainer``,
 ``accelerate``; each imports its framework only when imported itself."""

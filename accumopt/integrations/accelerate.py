@@ -1,6 +1,7 @@
 """Hugging Face Accelerate with accumopt: call :func:`prepare` where you would call
-``accelerator.prepare`` (README "Accelerate", ``examples/accelerate_digits.py``). Each rank saves
-its window beside ``optimizer.bin`` (``accumopt_window_{i}_rank{r}.pt``) for ``load_state``."""
+``accelerator.prepare`` (docs/frameworks/accelerate.md, ``examples/accelerate_digits.py``).
+Each rank saves its window beside ``optimizer.bin`` (``accumopt_window_{i}_rank{r}.pt``) for
+``load_state``."""
 
 from __future__ import annotations
 

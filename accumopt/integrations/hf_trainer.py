@@ -1,5 +1,5 @@
-"""The Hugging Face ``transformers.Trainer`` with accumopt: :class:`AccumulateTrainer` (README
-"Hugging Face Trainer", ``examples/hf_trainer_charlm.py``)."""
+"""The Hugging Face ``transformers.Trainer`` with accumopt: :class:`AccumulateTrainer` (docs/
+frameworks/hf-trainer.md, ``examples/hf_trainer_charlm.py``)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ check_trainer_hooks(Trainer)
 
 class AccumulateTrainer(Trainer):
     """``transformers.Trainer`` stepping an :class:`~accumopt.Accumulate` once per window, the
-    epoch's short last one too (README "Hugging Face Trainer").
+    epoch's short last one too (docs/frameworks/hf-trainer.md).
 
     Args: as ``Trainer``'s; ``optimizers=(opt, scheduler)``, ``opt`` an ``Accumulate(...,
     every=k)`` (``args`` becomes a copy with ``gradient_accumulation_steps=k``), or a torch
@@ -363,7 +363,7 @@ def _loss_refusal(model: Any, own_count: bool, own_loss: bool) -> str | None:
 
 def _loss_shifts(model: Any, trainer_guess: bool, own_loss: bool, smoother: bool = False) -> bool:
     """Whether the loss of ``model`` (unwrapped; a PEFT model's inner one) predicts
-    ``labels[..., 1:]`` (the rules: README "Hugging Face Trainer"). ValueError: loss code of
+    ``labels[..., 1:]`` (the rules: docs/frameworks/hf-trainer.md). ValueError: loss code of
     the model's own under a causal-LM name."""
     if trainer_utils._is_peft_model(model):  # type: ignore[no-untyped-call]
         model = model.base_model.model

@@ -1,6 +1,6 @@
-"""Lightning with accumopt: :class:`AccumulateCallback`, :func:`loss_over_items` (README
-"Lightning", ``examples/lightning_digits.py``). Lightning internals used (2.6): the epoch loop's
-``_should_accumulate`` and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
+"""Lightning with accumopt: :class:`AccumulateCallback`, :func:`loss_over_items` (docs/
+frameworks/lightning.md, ``examples/lightning_digits.py``). Lightning internals used (2.6): the
+epoch loop's ``_should_accumulate`` and ``_num_ready_batches_reached``, ``LightningOptimizer``'s
 per-optimizer class and step callbacks, the precision plugin's ``_after_closure``."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def loss_over_items(
 
 class AccumulateCallback(pl.Callback):
     """Make a ``Trainer`` step every :class:`~accumopt.Accumulate` of ``configure_optimizers``
-    once per window (README "Lightning"): only a batch that closes a window, or the epoch's
-    last, is a Lightning optimizer step. ``self.optimizers()`` is the wrapper for every
+    once per window (docs/frameworks/lightning.md): only a batch that closes a window, or the
+    epoch's last, is a Lightning optimizer step. ``self.optimizers()`` is the wrapper for every
     attribute but Lightning's own. After a fit the wrappers stop counting.
 
     Raises (from ``trainer.fit``, before any update): ValueError: no ``Accumulate``;
