@@ -137,7 +137,8 @@ class MicroBatchRunner:
         self._start, self._search = start_size, (tolerance, grow_after, max_size)
         self.sizer: MicroBatchSizer | None = None
         self.budget, self.tally = budget, None if budget is None else Tally()
-        self._window_rows, self._mark = 0, (0, 0)  # rows_per_update: the runner's open window
+        self._window_rows = 0  # rows_per_update: the rows of the runner's open window
+        self._mark: tuple[int, int, Any] = (0, 0, 0.0)  # and the window it left
         if auto:
             optimizer.enable_rollback()  # a failed micro-batch must be droppable alone
 
@@ -248,7 +249,11 @@ class MicroBatchRunner:
         if world > 1:
             _same_rows(opt, n, "budget=")
         per = None if spec.rows_per_update is None else _per_rank(opt, spec.rows_per_update)
-        if per is not None and opt.micro_step and self._mark != (opt.updates, opt.micro_step):
+        if (
+            per is not None
+            and opt.micro_step
+            and self._mark != (opt.updates, opt.micro_step, opt.items)
+        ):
             raise RuntimeError(
                 f"MicroBatchRunner: the wrapper's window holds {opt.micro_step} micro-step(s) "
                 "the runner did not run, so the rows of its window are unknown; expected "
@@ -310,7 +315,7 @@ class MicroBatchRunner:
                 if closes:
                     opt.flush()
                     self._window_rows = 0
-                self._mark = opt.updates, opt.micro_step
+                self._mark = opt.updates, opt.micro_step, opt.items
 
     def _attempt(
         self,

@@ -562,6 +562,12 @@ def test_a_window_the_runner_did_not_feed_is_refused_with_rows_per_update() -> N
     acc.flush()
     runner(make_batch([3, 4, 5, 6], 8, 2))  # a window of its own again
     assert acc.updates == 2 and acc.micro_step == 0
+    runner(make_batch([3, 4], 8, 3))  # 2 rows of 4 in one micro-step: the runner's window
+    acc.discard()  # then another loop's micro-step of 1 item: as many micro-steps as before
+    acc.backward(loss_sum(model, make_batch([2], 8, 4)), items=1)
+    acc.step()
+    with pytest.raises(RuntimeError, match=r"window holds 1 micro-step\(s\) the runner did not"):
+        runner(make_batch([3, 4], 8, 5))
 
 
 def test_every_items_inf_is_a_window_only_flush_applies() -> None:
