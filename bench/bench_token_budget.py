@@ -62,7 +62,7 @@ class TinyLM(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         n = ids.shape[1]
-        causal = torch.full((n, n), -math.inf).triu(1)
+        causal = torch.full((n, n), -math.inf, device=ids.device).triu(1)
         h = self.tokens(ids) + self.places.weight[:n]
         return self.out(self.layers(h, mask=causal, is_causal=True))
 
@@ -87,8 +87,11 @@ def summed(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
 
 
-def runner_for(model: nn.Module, buckets: Any) -> MicroBatchRunner:
-    """The runner of a setting (``buckets`` False: the row cap)."""
+def runner_for(
+    model: nn.Module, buckets: Any, device: torch.device | None = None, tokens: Any = BUDGET
+) -> MicroBatchRunner:
+    """The runner of a setting (``buckets`` False: the row cap), its micro-batches moved to
+    ``device``; ``tokens``: the budget (``"auto"``: found from out-of-memory errors)."""
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
     if buckets is False:
         opt = Accumulate(sgd, every=ROWS // ROW_CAP, model=model)
@@ -97,10 +100,10 @@ def runner_for(model: nn.Module, buckets: Any) -> MicroBatchRunner:
             return summed(model, b), int((b["labels"] != -100).sum())
 
         return MicroBatchRunner(
-            opt, loss_fn, micro_batch_size=ROW_CAP, loss_reduction="sum", model=model
+            opt, loss_fn, micro_batch_size=ROW_CAP, loss_reduction="sum", model=model, device=device
         )
     spec = TokenBudget(
-        BUDGET,
+        tokens,
         cost=lambda b: b["lengths"],
         items=lambda b: (b["labels"] != -100).sum(1),
         padded=True,
@@ -110,7 +113,12 @@ def runner_for(model: nn.Module, buckets: Any) -> MicroBatchRunner:
     )
     opt = Accumulate(sgd, every_items=math.inf, model=model)
     return MicroBatchRunner(
-        opt, lambda b: summed(model, b), budget=spec, loss_reduction="sum", model=model
+        opt,
+        lambda b: summed(model, b),
+        budget=spec,
+        loss_reduction="sum",
+        model=model,
+        device=device,
     )
 
 

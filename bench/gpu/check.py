@@ -19,7 +19,11 @@
     against a fixed-size micro-batch loop from the same initial weights (float32, TF32 off); and
     the largest size that really fits, found separately by bisection with ``empty_cache``
     between attempts.
-(c) One short table, printed last (also written to ``check.json`` in ``--out``).
+(c) **Token budget.** ``bench/bench_token_budget.py``'s small causal transformer and windows of
+    64 long-tailed sequences (host batches, micro-batches moved to the device): a row cap of 8
+    rows, a hand-set budget of 2048 padded tokens and ``TokenBudget("auto")``; reported: real
+    tokens (not padding) per second and peak memory of each, and the budget ``"auto"`` took.
+(d) One short table, printed last (also written to ``check.json`` in ``--out``).
 
 ``--dry-run`` runs the same code on the CPU with tiny sizes, the OOM simulated by
 ``accumopt.testing.simulate_oom`` at a fixed limit. Run from the repository root with
@@ -338,6 +342,40 @@ def autosize(plan: Plan, device: torch.device) -> dict[str, Any]:
     }
 
 
+def token_budget(plan: Plan, device: torch.device) -> dict[str, Any]:
+    """(c): tokens per second and peak memory of a row cap, a hand-set budget and ``"auto"``."""
+    import bench_token_budget as tb  # imports pytest: here, so that (a) and (b) run without it
+
+    data = tb.windows()
+    real = sum(int(batch["lengths"].sum()) for batch in data) * plan.repeats
+    settings = (("row cap, 8 rows", False, None), ("budget 2048", "pow2", tb.BUDGET))
+    result: dict[str, Any] = {}
+    for name, buckets, tokens in (*settings, ('budget "auto"', "pow2", "auto")):
+        free_memory()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        runner = tb.runner_for(tb.TinyLM().to(device), buckets, device, tokens)
+        for batch in data[: plan.warmup]:
+            runner(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(plan.repeats):
+            for batch in data:
+                runner(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result[name] = {
+            "tokens_per_s": real / (time.perf_counter() - start),
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda"
+            else None,
+            "budget": runner.micro_batch_size if runner.budget is not None else None,
+            "ooms": runner.ooms,
+        }
+    return result
+
+
 def attempt(name: str, part: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
     """Run one part; print and swallow its error (the table then marks it ERROR)."""
     print(f"== {name}", flush=True)
@@ -356,8 +394,14 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def table(tests: str, plan: Plan, a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
-    """(c): one short table, a row per check."""
+def table(
+    tests: str,
+    plan: Plan,
+    a: dict[str, Any] | None,
+    b: dict[str, Any] | None,
+    c: dict[str, Any] | None,
+) -> str:
+    """(d): one short table, a row per check."""
     outcome = {"passed": "PASS", "failed": "FAIL"}.get(tests.split(" ", 1)[0], "-")
     rows = [["test suite, CUDA tests included (run.sh)", tests, "pass", outcome]]
     if a is None:
@@ -401,12 +445,26 @@ def table(tests: str, plan: Plan, a: dict[str, Any] | None, b: dict[str, Any] | 
                 verdict(b["error"] < ERROR_TARGET),
             ],
         ]
+    if c is None:
+        rows.append(["(c) token budget", "ERROR (see above)", "-", "FAIL"])
+    else:
+        for name, got in c.items():
+            peak = "" if got["peak_gib"] is None else f", peak {got['peak_gib']:.2f} GiB"
+            took = "" if got["budget"] is None else f", budget {got['budget']} ({got['ooms']} OOMs)"
+            rows.append(
+                [
+                    f"(c) {name}: real tokens per second",
+                    f"{got['tokens_per_s']:,.0f}{peak}{took}",
+                    "-",
+                    "-",
+                ]
+            )
     return markdown_table(["check", "result", "target", "status"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run (a) and (b), print the table; 0 when every check passed (dry run: when both parts
-    ran, whatever their figures on a CPU), else 1."""
+    """Run (a), (b) and (c), print the table; 0 when every check passed (dry run: when all
+    parts ran, whatever their figures on a CPU), else 1."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, simulated OOM")
     parser.add_argument("--out", type=Path, help="where check.json goes (default: a temp dir)")
@@ -426,14 +484,16 @@ def main(argv: list[str] | None = None) -> int:
     a = attempt("(a) overhead", lambda: overhead(plan, device))
     free_memory()
     b = attempt("(b) auto size to OOM", lambda: autosize(plan, device))
-    markdown = table(args.tests, plan, a, b)
+    free_memory()
+    c = attempt("(c) token budget", lambda: token_budget(plan, device))
+    markdown = table(args.tests, plan, a, b, c)
     out = args.out or Path(tempfile.mkdtemp(prefix="accumopt-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": name, "plan": plan.__dict__, "a": a, "b": b, "table": markdown}
+    report = {"device": name, "plan": plan.__dict__, "a": a, "b": b, "c": c, "table": markdown}
     (out / "check.json").write_text(json.dumps(report, indent=1))
     print(f"(results in {out / 'check.json'})\n")
     print(markdown)
-    ran = a is not None and b is not None
+    ran = a is not None and b is not None and c is not None
     return 0 if ran and (args.dry_run or "FAIL" not in markdown) else 1
 
 
