@@ -199,7 +199,7 @@ class RankRows:
         costs = [self.costs[i] for i in rows]
         if not self.padded:
             return Cut(rows, None, sum(costs))
-        length = padded_length(max(costs), self.buckets, self.cap)
+        length = self.length(max(costs))
         return Cut(rows, length, len(costs) * length)
 
     def greedy(self, order: Sequence[int], budget: int) -> list[Cut]:
@@ -424,7 +424,7 @@ def check_padding(
         path, leaf, _ = leaves[k]
         if leaf.device.type != "cpu":
             continue
-        pads = leaf[:, :length][past]
+        pads = leaf[past]  # a padded leaf's dim 1 is ``length``
         same = pads == pads[0]
         if pads.is_floating_point() or pads.is_complex():
             same |= pads.isnan() & pads[0].isnan()

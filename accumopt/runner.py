@@ -260,14 +260,26 @@ class MicroBatchRunner:
                 "rows_per_update's windows fed by the runner alone. Call opt.flush() or "
                 "opt.discard() first."
             )
-        costs = read_counts(spec.cost(batch), n, "cost")
-        items = n * [1] if spec.items is None else read_counts(spec.items(batch), n, "items")
-        cap, trim = (
-            padded_leaves(rows_of.leaves, max(costs), spec.trim) if spec.padded else (None, [])
-        )
-        if trim:
-            check_padding(rows_of.leaves, trim, costs, cast(int, cap))
-        table = _gather(opt, [float(cap or 0), *costs, *items])  # every rank's counts
+        problem: Exception | None = None
+        try:
+            costs = read_counts(spec.cost(batch), n, "cost")
+            items = n * [1] if spec.items is None else read_counts(spec.items(batch), n, "items")
+            cap, trim = (
+                padded_leaves(rows_of.leaves, max(costs), spec.trim) if spec.padded else (None, [])
+            )
+            if trim:
+                check_padding(rows_of.leaves, trim, costs, cast(int, cap))
+        except (TypeError, ValueError) as err:  # refused on every rank, after the collective
+            problem, costs, items, cap, trim = err, n * [1], n * [1], None, []
+        table = _gather(opt, [float(problem is not None), float(cap or 0), *costs, *items])
+        if problem is not None:
+            raise problem
+        if any(row[0] for row in table):
+            raise ValueError(
+                "MicroBatchRunner: another rank refused its TokenBudget counts (its error says "
+                "why); expected valid counts on every rank. Nothing of this batch was run."
+            )
+        table = [row[1:] for row in table]  # every rank's padded length and counts
         if per is None:  # the items of each position over the ranks
             weights = [sum(row[1 + n + i] for row in table) for i in range(n)]
         else:  # the rows of each rank

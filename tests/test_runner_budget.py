@@ -681,6 +681,30 @@ def test_two_ranks_run_as_many_micro_steps_per_window_and_update_exactly(
             )
 
 
+def refusing_worker(rank: int) -> str:
+    """One of 2 ranks; rank 1's costs are shorter than its rows (refused by the padding check):
+    both ranks raise, neither hangs in the other's collective, nothing ran."""
+    torch.set_default_dtype(torch.float64)
+    ddp = nn.parallel.DistributedDataParallel(TokenLM(12))
+    acc, runner = make_runner(ddp, "rows", 8, 24)
+    batch = rank_batches(rank)[0]
+    if rank == 1:
+        batch = {**batch, "lengths": batch["lengths"] - 1}
+    try:
+        runner(batch)
+    except ValueError as err:
+        assert acc.micro_step == 0 and acc.updates == 0
+        return str(err)
+    return "ran"
+
+
+@pytest.mark.slow
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank() -> None:
+    own, other = run_ranks(refusing_worker, world_size=2)[::-1]
+    assert own.startswith("MicroBatchRunner: batch['ids'] holds other values than one padding")
+    assert other.startswith("MicroBatchRunner: another rank refused its TokenBudget counts")
+
+
 def test_ranks_must_split_each_window_and_the_batch_evenly() -> None:
     """Under 2 ranks (a stand-in for the wrapper's collectives): rows_per_update must be a
     multiple of the ranks, and every rank's batch as many rows (refused on every rank)."""
