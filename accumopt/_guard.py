@@ -32,7 +32,8 @@ LR_CHANGED = (
 class Guard:
     """The window's ``.grad`` tensors and learning rates as its first micro-step left them:
     ``params`` (whose window lives in ``.grad``; None: nothing noted), their ``grads``, the
-    ``versions`` of every ``stride``-th, each group's ``lrs``, and the ``passes`` (writes into
+    ``versions`` of every ``stride``-th, each group's ``lrs`` (a tensor rate with its version and
+    a copy of its value: schedulers change one in place), and the ``passes`` (writes into
     ``.grad``) expected since: one per accumulating pass, one more per pass DDP synchronised."""
 
     def __init__(self) -> None:
@@ -41,6 +42,7 @@ class Guard:
     def forget(self) -> None:
         """A window opened or was loaded: nothing to compare with."""
         self.lrs: list[Any] | None = None
+        self._lr_copies: dict[int, tuple[int, Tensor]] = {}
         self.forget_grads()
 
     def forget_grads(self) -> None:
@@ -53,6 +55,11 @@ class Guard:
     def note(self, groups: list[dict[str, Any]], in_grad: list[Tensor] | None) -> None:
         """Note the learning rates and (:meth:`note_grads`) the gradients."""
         self.lrs = [g.get("lr") for g in groups]
+        self._lr_copies = {
+            i: (lr._version, lr.detach().clone())  # on its device: no host sync
+            for i, lr in enumerate(self.lrs)
+            if isinstance(lr, Tensor)
+        }
         self.note_grads(in_grad)
 
     def note_grads(self, in_grad: list[Tensor] | None) -> None:
@@ -101,10 +108,27 @@ class Guard:
     def lr_changed(self, groups: list[dict[str, Any]]) -> str | None:
         """Why the window must not be applied with the groups' learning rates, or None."""
         for i, (group, before) in enumerate(zip(groups, self.lrs or [])):
-            after = group.get("lr")
-            if after is not before and not (isinstance(after, float) and after == before):
-                return LR_CHANGED.format(group=i, before=before, after=after)
+            after, copy = group.get("lr"), self._lr_copies.get(i)
+            if copy is not None:  # a tensor rate: its values are read only if its version moved
+                if after is before and after._version == copy[0]:
+                    continue
+                before = copy[1]
+            elif after is before:
+                continue
+            if _value(after) != _value(before):
+                return LR_CHANGED.format(group=i, before=_value(before), after=_value(after))
         return None
+
+    def close_lrs(self, groups: list[dict[str, Any]]) -> None:
+        """The window closed: a rate changed while it was open stays refused at ``step()``; else
+        a rate set from now on is the update's own (a hand loop sets it before its step)."""
+        if self.lr_changed(groups) is None:
+            self.lrs, self._lr_copies = None, {}
+
+
+def _value(rate: Any) -> Any:
+    """A learning rate as a number (a one-element tensor read on the host)."""
+    return rate.item() if isinstance(rate, Tensor) and rate.numel() == 1 else rate
 
 
 def _change(now: Tensor | None, noted: Tensor, version: int | None, passes: int) -> str | None:

@@ -354,6 +354,7 @@ class Accumulate(torch.optim.Optimizer):
         if (problem := self._guard.wiped()) is not None:
             self._break(_WIPED)
             raise RuntimeError(problem)
+        self._guard.close_lrs(self.param_groups)
         self._sync.settle(s, self._rules)
         self._sync.close(self._buffer, self._params(), self._rules.divisor(s, self.world_size))
         s.phase = CLOSED  # formed: window hooks see it closed, and a hook that raises leaves it

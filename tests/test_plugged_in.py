@@ -305,6 +305,69 @@ def test_own_loop_scheduler_stepped_every_micro_step_is_refused_at_the_boundary(
     assert_same_params(model, ref)
 
 
+@pytest.mark.parametrize("inner", [torch.optim.SGD, torch.optim.Adam])
+def test_a_tensor_learning_rate_changed_in_place_inside_the_window_is_refused(inner: Any) -> None:
+    """Schedulers change a tensor rate in place (``fill_``): the same object comes back, so the
+    guard notes its version and value, not only its identity."""
+    model = mlp(83)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = Accumulate(inner(model.parameters(), lr=torch.tensor(0.5, dtype=torch.float64)), every=3)
+    sched = torch.optim.lr_scheduler.LambdaLR(acc, lambda t: 1 / (1 + t))
+    x, y = data(83, 8)
+    with pytest.raises(RuntimeError, match=r"param group 0 changed .*from 0\.5 to 0\.1666"):
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            sched.step()  # the mistake: every micro-step
+    assert acc.updates == 0 and acc.will_update
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    acc.param_groups[0]["lr"].fill_(0.5)  # set back: the window applies, exact
+    acc.step()
+    ref = mlp(83)
+    full_batch_step(ref, inner(ref.parameters(), lr=0.5), x, y)
+    assert_same_params(model, ref)
+
+
+def test_a_tensor_learning_rate_refilled_with_its_value_inside_the_window_is_allowed() -> None:
+    ref, model = twins(mlp(84))
+    lr = torch.tensor(0.5, dtype=torch.float64)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=lr), every=3)
+    windows(acc, model, seed=84)
+    x, y = data(84, 8)
+    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+        acc.backward(mse_sum(model, xb, yb), items=len(xb))
+        lr.fill_(0.5)  # a constant schedule stepped every micro-step: harmless
+        acc.step()
+        acc.zero_grad()
+    assert acc.updates == 3
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for w in range(2):
+        full_batch_step(ref, opt, *data(84 + w, 8))
+    full_batch_step(ref, opt, x, y)
+    assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("rate", [float, lambda v: torch.tensor(v, dtype=torch.float64)])
+def test_a_learning_rate_set_after_the_closing_pass_is_the_updates_own(rate: Any) -> None:
+    """The hand loop's ``if boundary: set the rate; opt.step()``: once the window closed
+    (``opt.will_update``), a rate set before ``step()`` is the update's, as in that loop."""
+    ref, model = twins(mlp(85))
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=rate(0.5)), every=3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for w in range(3):
+        x, y = data(85 + w, 8)
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            if acc.will_update:
+                acc.param_groups[0]["lr"] = rate(0.5 / (w + 2))
+            acc.step()
+            acc.zero_grad()
+        ref_opt.param_groups[0]["lr"] = 0.5 / (w + 2)
+        full_batch_step(ref, ref_opt, x, y)
+    assert acc.updates == 3
+    assert_same_params(model, ref)
+
+
 def test_own_loop_scheduler_stepped_several_times_between_windows_is_allowed() -> None:
     """Stepping between windows is the caller's business (Accelerate steps once per process
     after each update); an epoch-level scheduler stepped after the epoch's flush() is exact."""
