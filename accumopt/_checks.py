@@ -245,14 +245,16 @@ def check_fsdp(
 def framework_accumulating(closure: object = None) -> str | None:
     """The framework accumulating gradients around the wrapper (its loss division would shrink
     every update: refused), or None: a Lightning Trainer with ``accumulate_grad_batches > 1`` (in
-    the closure it steps with), or Accelerate (the HF Trainer's) with gradient sync off."""
+    the closure it steps with), or Accelerate (the HF Trainer's) accumulating: gradient sync off,
+    or ``gradient_accumulation_steps > 1`` (``accelerator.backward`` divides every loss by it)."""
     if isinstance(closure, functools.partial) and closure.args:
         trainer = getattr(closure.args[0], "_trainer", None)
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
             return "a Lightning Trainer with accumulate_grad_batches > 1"
     accelerate = sys.modules.get("accelerate.state")
     shared = {} if accelerate is None else accelerate.GradientState._shared_state
-    if shared.get("sync_gradients", True) is False:
+    steps = (shared.get("plugin_kwargs") or {}).get("num_steps", 1)
+    if shared.get("sync_gradients", True) is False or steps > 1:
         return "Accelerate (or the HF Trainer) with gradient_accumulation_steps > 1"
     return None
 

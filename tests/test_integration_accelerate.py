@@ -221,6 +221,28 @@ def test_accelerate_accumulation_switched_on_after_prepare_is_refused_before_any
 
 
 @needs_accelerate
+def test_accelerate_accumulation_steps_without_its_context_are_refused_before_any_update(
+    clean_accelerate: None,
+) -> None:
+    """``accelerator.backward`` divides every loss by ``gradient_accumulation_steps`` even
+    outside ``accelerator.accumulate()``: a stock ``prepare`` around a wrapper and a loop
+    without that context made every update 1/4 of the right one, silently."""
+    accelerator = fresh(gradient_accumulation_steps=4)
+    model = net()
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=LR), every=EVERY)
+    model, optimizer, loader = accelerator.prepare(
+        model, opt, torch.utils.data.DataLoader(dataset(20), batch_size=MICRO)
+    )
+    before = flat(model)
+    x, y, m = next(iter(loader))
+    with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps > 1 accumulates"):
+        accelerator.backward(loss_sum(model, x, y, m) / m.sum())
+    with pytest.raises(RuntimeError, match="discard"):
+        optimizer.step()
+    assert opt.updates == 0 and torch.equal(flat(model), before)
+
+
+@needs_accelerate
 @pytest.mark.parametrize("how", ["accelerator.clip_grad_norm_", "max_grad_norm"])
 def test_accelerate_clipping_is_exact_at_the_boundary_and_refused_inside_the_window(
     clean_accelerate: None, how: str
