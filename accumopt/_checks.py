@@ -197,8 +197,9 @@ def check_items(items: object, api: str, read: bool = True) -> float | torch.Ten
     what = f"Accumulate.{api}: items"
     if isinstance(items, torch.Tensor):
         check_count_tensor(items, what)
-        if not read:
-            return items.detach().reshape(())
+        if not read:  # summed in float64 (a low-precision or integer count sums inexactly)
+            wide = torch.float32 if items.device.type == "mps" else torch.float64
+            return items.detach().reshape(()).to(wide)
         items = items.item()
     return check_count(items, what, "the summed loss")
 

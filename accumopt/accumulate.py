@@ -121,7 +121,7 @@ class Accumulate(torch.optim.Optimizer):
         inner = _checks.check_optimizer(optimizer)
         every, every_items = _checks.check_window(every, every_items)
         self.reduction = _checks.check_reduction(reduction)
-        self.max_grad_norm = _checks.check_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = max_grad_norm
         self.scaler = _checks.check_scaler(scaler)
         self.buffer = _checks.check_buffer(buffer)
         self.nonfinite = _checks.check_nonfinite(nonfinite)
@@ -170,6 +170,16 @@ class Accumulate(torch.optim.Optimizer):
         if self._state.size is None and self._state.phase is OPEN:
             self._rules.sized(self._state)
         return self._state.size
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The 2-norm the window's gradient is clipped to (None: no clipping; ``inf``: measured
+        only); may be set between steps. ValueError: not None, > 0 or ``inf``."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = _checks.check_max_grad_norm(value)
 
     micro_step = property(lambda self: self._state.micro_step, doc="Micro-steps in the window.")
     items = property(
@@ -617,7 +627,10 @@ class Accumulate(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=True)
             return s.did_update
         scale = self._buffer.loss_scale()
-        if scale is not None:  # the closed window is in scaled units
+        if scale is not None:  # the closed window is in scaled units: refuse before unscaling
+            if (problem := self._guard.lr_changed(self.param_groups)) is not None:
+                raise RuntimeError(problem)
+            s.phase, s.broken = BROKEN, _FLUSHING  # unscaled part-way: only discard() goes on
             found = _grads.unscale_(_grads.grads_of(self._params()), scale)
             s.found_inf = found if s.found_inf is None else s.found_inf + found
         self._apply(None, clear=True)

@@ -24,7 +24,7 @@ _Items = float | Tensor | None
 _Pair = tuple[float, float]
 
 # Positions in the window, stamped on every small collective
-_ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _OTHER = range(6)
+_ITEMS, _CLOSE, _FLUSH, _BEFORE_CLOSE, _FOUND_INF, _OTHER, _REOPEN = range(7)
 _WHERE = (
     "counting micro-step {m} of a window in items",
     "closing a window at micro-step {m}",
@@ -32,6 +32,7 @@ _WHERE = (
     "at the forward of the micro-step after {m}, which closes the window",
     "scaler.step after micro-step {m}",
     "agreeing on {what}",
+    "at the first forward after flush() or discard()",
 )
 _TOGETHER = "Run the same micro-steps per window and flush() on every rank together"
 _DTENSOR = "torch.distributed.tensor"
@@ -118,8 +119,10 @@ class GradSync:
         self._enabled = True  # FSDP2's default (it has no public getter)
         own = self._own = self._enabled if self.fsdp else bool(module.require_backward_grad_sync)
         self._planned = own
-        # the module's own setting holds until a micro-step (DDP's static_graph: the first one)
-        self._released = bool(getattr(module, "static_graph", False)) and own
+        # DDP's static_graph: its first pass must sync (a loaded window's too: exact, a synced
+        # pass reduces all that .grad holds); the module's own setting holds until it
+        self._first_syncs = bool(getattr(module, "static_graph", False))
+        self._released = self._first_syncs and own
         self._bound: tuple[State, Rules, Callable[[], bool]] | None = None
         self._closing_planned = self._checked_before = self._closing_checked = False
         ref = weakref.ref(self)
@@ -154,14 +157,16 @@ class GradSync:
         self._closing_planned = False
         if self._released:
             self._planned = self._own
-        elif self.every_step:
+        elif self.every_step or self._first_syncs:
             self._planned = True
         else:
             self._planned = self._closing_planned = rules.next_closes(state) and grad_only()
         self._set(self._planned)
 
     def before_forward(self) -> None:
-        """The planned sync again (``no_sync()`` may reset it); agree before a closing pass."""
+        """The planned sync again (``no_sync()`` may reset it); agree before a closing pass, and
+        before the first pass after ``flush()``/``discard()`` (released, it syncs: a rank that
+        discarded alone would pair it with another rank's closing sync)."""
         if self._bound is None:
             return
         state, rules, grad_only = self._bound
@@ -169,10 +174,14 @@ class GradSync:
             self.plan(state, rules, grad_only)
         if not self._released:
             self._set(self._planned)
-        closing = self._closing_planned and not self._checked_before
-        if closing and torch.is_grad_enabled() and state.phase is Phase.OPEN:
+        if self._checked_before or not torch.is_grad_enabled() or state.phase is not Phase.OPEN:
+            return
+        if self._closing_planned:
             self._checked_before = True
             self._agree(_BEFORE_CLOSE, state.micro_step)
+        elif self._released and self._own and self.module.training:
+            self._checked_before = True
+            self._agree(_REOPEN, state.micro_step)
 
     def release(self, state: State, flushing: bool = False) -> None:
         """``flush()``/``discard()``: the module's own sync setting until the next micro-step."""
@@ -200,7 +209,7 @@ class GradSync:
     def counted(self, items: _Items, state: State, rules: Rules) -> _Items:
         """Count a micro-step: its items over the ranks in a window in items, else its own."""
         self.synced = self._enabled if self.fsdp else bool(self.module.require_backward_grad_sync)
-        self._released = False
+        self._released = self._first_syncs = False
         self._closing_checked = self._checked_before and self._closing_planned
         self._checked_before = False
         if items is None or not rules.in_items:
@@ -237,12 +246,13 @@ class GradSync:
         return self._agree(_OTHER, 0, (a, b), what)
 
     def _agree(self, where: int, step: int, values: _Pair | None = None, what: str = "") -> _Pair:
-        """Sum ``values`` over the ranks in rank order (None: only check) by one all-gather of 3
-        float64 per rank (the values, and the position: what, at which micro-step); RuntimeError
-        on every rank unless all are at this position."""
+        """Sum ``values`` over the ranks in rank order (None: only check) by one all-gather of 4
+        float64 per rank (the values, and the position: what, at which micro-step, after how many
+        updates); RuntimeError on every rank unless all are at this position."""
         code = float(step * len(_WHERE) + where)
         a, b = values or (0.0, 0.0)
-        mine = torch.tensor([a, b, code], dtype=torch.float64)
+        updates = float(self._bound[0].updates) if self._bound is not None else 0.0
+        mine = torch.tensor([a, b, code, updates], dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, mine, group=self.side)
@@ -254,8 +264,11 @@ class GradSync:
         if values is not None:
             self.all_reduces += 1
         rows = [p.tolist() for p in parts]
-        if any(r[2] != code for r in rows):
-            seen = "; ".join(f"rank {i}: {_describe(r[2], what)}" for i, r in enumerate(rows))
+        if any(r[2:] != [code, updates] for r in rows):
+            seen = "; ".join(
+                f"rank {i}: {_describe(r[2], what)}, after {r[3]:.0f} update(s)"
+                for i, r in enumerate(rows)
+            )
             raise RuntimeError(
                 "Accumulate: the ranks are at different points of the accumulation window "
                 f"({seen}); nothing of it was applied. {_TOGETHER}, then opt.discard() everywhere."

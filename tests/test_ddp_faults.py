@@ -174,11 +174,73 @@ def each_rank_loads_its_own_window_or_refuses_rank_0s(rank: int) -> Any:
     return [p.detach().flatten().tolist() for p in ddp.parameters()], refused
 
 
+def discard_on_one_rank(rank: int) -> Any:
+    """A window hook raises on rank 0 once window 2 closed there; rank 0 discards the window and
+    goes on, as a one-process loop would, while rank 1 applies it. Rank 0's next pass (released
+    by discard(): DDP syncs it) paired with rank 1's next sync, and the replicas trained apart
+    silently. Rank 0 now agrees before that pass, and rank 1's next agreement (before its
+    closing pass) finds it one update ahead: both raise, nothing more is applied."""
+    from accumopt import Accumulate
+
+    ddp = nn.parallel.DistributedDataParallel(net())
+    opt = Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp)
+
+    def hook(_: Any) -> None:
+        if rank == 0 and opt.updates == 1:
+            raise ValueError("hook failed")
+
+    opt.register_window_hook(hook)
+    x, y = data()
+    errors = []
+    for a, b in [micro[rank] for window in (W1, W2, W3) for micro in window]:
+        try:
+            ((ddp(x[a:b]) - y[a:b]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        except (ValueError, RuntimeError) as err:
+            errors.append(str(err))
+            if "different points" in str(err):
+                break
+            opt.discard()
+    return opt.updates, errors
+
+
+def static_graph_resumed_mid_window(rank: int) -> Any:
+    """A mid-window checkpoint loaded into a fresh ``DDP(static_graph=True)``: its first pass
+    must sync, and the wrapper planned it unsynced (the loaded window's plan): DDP's reducer
+    failed an internal assert. That pass now syncs (it reduces the loaded window too)."""
+    import copy
+
+    from accumopt import Accumulate
+
+    def build() -> Any:
+        ddp = nn.parallel.DistributedDataParallel(net(), static_graph=True)
+        return ddp, Accumulate(torch.optim.SGD(ddp.parameters(), lr=0.1), every=3, model=ddp)
+
+    rows = [m for window in (W1, W2) for m in window]
+    ddp, opt = build()
+    for r in rows:
+        micro(rank, ddp, opt, r)
+    straight = [p.detach().flatten().tolist() for p in ddp.parameters()]
+    ddp, opt = build()
+    for r in rows[:4]:
+        micro(rank, ddp, opt, r)
+    saved = copy.deepcopy((ddp.module.state_dict(), opt.state_dict()))
+    ddp, opt = build()
+    ddp.module.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    for r in rows[4:]:
+        micro(rank, ddp, opt, r)
+    return straight, [p.detach().flatten().tolist() for p in ddp.parameters()], opt.updates
+
+
 SCENARIOS: dict[str, Callable[[int], Any]] = {
     "scaler_inf": grad_scaler_inf_on_one_rank,
     "load_live_flush": load_into_the_live_wrapper_then_flush,
     "own_window": each_rank_loads_its_own_window_or_refuses_rank_0s,
     "schedule_one_rank": schedule_raising_on_one_rank,
+    "discard_one_rank": discard_on_one_rank,
+    "static_graph_resume": static_graph_resumed_mid_window,
 }
 
 
@@ -231,3 +293,23 @@ def test_ddp_a_schedule_raising_on_one_rank_leaves_both_on_its_windows(
     assert failed0 == [1, 2] and failed1 == [] and updates0 == updates1 == 4
     assert p0 == p1
     assert_close(p0, full_batch(SCHEDULED))
+
+
+@pytest.mark.slow
+def test_ddp_a_window_discarded_on_one_rank_is_refused_on_both(
+    results: list[dict[str, Any]],
+) -> None:
+    (updates0, errors0), (updates1, errors1) = (r["discard_one_rank"] for r in results)
+    assert (updates0, updates1) == (1, 2)  # rank 0 dropped window 2, rank 1 applied it
+    assert errors0[0] == "hook failed" and len(errors0) == 2 and len(errors1) == 1
+    for errors in (errors0, errors1):
+        assert "at the first forward after flush() or discard(), after 1 update(s)" in errors[-1]
+        assert "the micro-step after 2, which closes the window, after 2 update(s)" in errors[-1]
+
+
+@pytest.mark.slow
+def test_ddp_static_graph_resumes_mid_window(results: list[dict[str, Any]]) -> None:
+    for straight, resumed, updates in (r["static_graph_resume"] for r in results):
+        assert updates == 2
+        assert_close(resumed, straight)  # to rounding: the first pass after the load syncs
+        assert_close(resumed, full_batch([W1, W2]))

@@ -686,3 +686,50 @@ def test_a_second_live_wrapper_over_the_same_parameters_is_named_in_the_refusal(
             second.zero_grad()
     assert first.updates == second.updates == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_flush_refused_for_a_changed_rate_leaves_a_scaled_window_to_apply_once() -> None:
+    """``scaler=``'s window is in scaled units until flush() unscales it: a refusal (a rate
+    changed inside it) used to come after the unscaling, and the retry unscaled it again."""
+    ref, model = twins(mlp(86))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=8, scaler=scaler)
+    x, y = data(86, 8)
+    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):  # 3 micro-steps: the window stays open
+        acc.backward(scaler.scale(mse_sum(model, xb, yb)), items=len(xb))
+        scaler.step(acc)
+        scaler.update()
+        acc.zero_grad()
+    acc.param_groups[0]["lr"] = 0.25
+    with pytest.raises(RuntimeError, match="learning rate of param group 0 changed"):
+        acc.flush()
+    acc.param_groups[0]["lr"] = 0.5  # set back, as the message says
+    assert acc.flush()
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), x, y)
+    assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "counts"), [(torch.float16, [1024, 1024, 1]), (torch.int64, [2**23 + 1] * 3)]
+)
+def test_tensor_item_counts_are_summed_exactly(dtype: torch.dtype, counts: list[int]) -> None:
+    """Counts given as tensors were summed in their own dtype (float16: 2048 for 2049) or in
+    float32 (int64 counts above 2**24); they are summed in float64 now, as numbers are."""
+    model = mlp(87)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.0), every=len(counts))
+    x, y = data(87, len(counts))
+    for xb, yb, n in zip(x.split(1), y.split(1), counts):
+        acc.backward(mse_sum(model, xb, yb), items=torch.tensor(n, dtype=dtype))
+        acc.step()
+        acc.zero_grad()
+    assert acc.last_window is not None and acc.last_window.items == float(sum(counts))
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), "1"])
+def test_max_grad_norm_set_between_steps_is_validated(bad: Any) -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(88).parameters(), lr=0.1), every=2, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        acc.max_grad_norm = bad
+    assert acc.max_grad_norm == 1.0
+    acc.max_grad_norm = None
+    assert acc.max_grad_norm is None
