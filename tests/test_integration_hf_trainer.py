@@ -260,6 +260,7 @@ def test_hf_trainer_token_weighted_equals_full_batch_without_loss_kwargs() -> No
             train_dataset=data,
             data_collator=collate,
             optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+            shift_labels=False,  # a model of its own: accumopt cannot tell
         )
         trainer.train()
     assert not trainer.model_accepts_loss_kwargs
@@ -326,6 +327,34 @@ def test_hf_trainer_reads_the_label_shift_from_the_loss_the_model_computes() -> 
         shifts = accumulate_trainer(tmp, renamed, data, max_steps=1)._shifts()
     assert rel(told.model, reference.model, flat(xlnet())) <= 1e-12
     assert shifts
+
+
+class Wrapped(nn.Module):
+    """A thin module around a transformers causal LM: its loss shifts, its class says nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = gpt2()
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> Any:
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_hf_trainer_refuses_per_token_labels_of_a_model_outside_transformers() -> None:
+    """A model that is not a PreTrainedModel (a wrapper around one, a nanoGPT-style module)
+    was taken as not shifting its labels: a wrapped GPT-2 was weighted by one token per row too
+    many, silently (1.65e-3 on an 8e-2 step). It is refused until told, then exact."""
+    data = sequences(SAMPLES)
+    with tempfile.TemporaryDirectory() as tmp:
+        refused = accumulate_trainer(tmp, Wrapped(), data, num_train_epochs=1)
+        with pytest.raises(ValueError, match="Wrapped's own loss code, outside transformers"):
+            refused.train()
+        assert refused.accumulate.updates == 0
+        reference = run_full(tmp, Wrapped(), data, num_train_epochs=1)
+        told = accumulate_trainer(tmp, Wrapped(), data, num_train_epochs=1)
+        told.shift_labels = True
+        told.train()
+    assert rel(told.model, reference.model, flat(Wrapped())) <= 1e-6
 
 
 def test_hf_trainer_micro_batch_without_tokens_adds_nothing() -> None:
@@ -617,6 +646,7 @@ def small_trainer(tmp: str, opt: Any = "sgd", **kwargs: Any) -> AccumulateTraine
         train_dataset=sequences(9, shifted=True),
         data_collator=collate,
         optimizers=(opt, None),
+        shift_labels=False,
     )
 
 
@@ -732,7 +762,11 @@ def test_hf_trainer_micro_batch_runner_in_training_step_raises() -> None:
         opt = trainer.accumulate
         assert opt.updates == 0  # refused before the inner step: nothing applied
         opt.discard()  # the same wrapper in a new trainer: the first one's refusal is gone
-        kwargs = {"train_dataset": trainer.train_dataset, "data_collator": collate}
+        kwargs = {
+            "train_dataset": trainer.train_dataset,
+            "data_collator": collate,
+            "shift_labels": False,
+        }
         AccumulateTrainer(trainer.model, trainer.args, optimizers=(opt, None), **kwargs).train()
     assert opt.updates == EPOCHS * 2
 
@@ -826,6 +860,7 @@ def test_hf_trainer_logs_grad_norm_in_the_parameters_dtype() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         reference = run_full(tmp, copy.deepcopy(base), data, num_train_epochs=1)
         trainer = accumulate_trainer(tmp, copy.deepcopy(base), data, num_train_epochs=1)
+        trainer.shift_labels = False
         trainer.train()
     expected = logged(reference, "grad_norm")
     torch.testing.assert_close(logged(trainer, "grad_norm"), expected, rtol=1e-12, atol=0)
@@ -883,6 +918,7 @@ def test_hf_trainer_schedule_free_optimizer_trains_and_evaluates_in_its_modes() 
                 data_collator=collate,
                 optimizers=(Accumulate(inner, every=EVERY) if accumulate else inner, None),
             )
+            trainer.shift_labels = False
             trainer.train()
             runs.append((trainer, inner))
     (reference, _), (trainer, inner) = runs

@@ -23,7 +23,7 @@ from accumopt.distributed import is_distributed
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    from transformers import Trainer, trainer_utils
+    from transformers import PreTrainedModel, Trainer, trainer_utils
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError as err:  # pragma: no cover - depends on the environment
@@ -233,7 +233,9 @@ class AccumulateTrainer(Trainer):
         Override it for other losses. ValueError: no tensor; a label shift the model hides."""
         labels = inputs.get("shift_labels")
         if labels is None and inputs.get("labels") is not None:
-            labels = inputs["labels"][..., 1:] if self._shifts() else inputs["labels"]
+            labels = inputs["labels"]  # per-token labels may be shifted by the loss
+            if isinstance(labels, Tensor) and labels.dim() > 1 and self._shifts():
+                labels = labels[..., 1:]
         if isinstance(labels, Tensor):
             return int((labels != -100).sum())
         for value in inputs.values():
@@ -377,11 +379,12 @@ def _loss_shifts(model: Any, trainer_guess: bool, own_loss: bool, smoother: bool
     if _through_loss_function(model.__class__):
         loss = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "", ForCausalLMLoss)
         return loss is ForCausalLMLoss
-    if causal or trainer_guess:
+    if causal or trainer_guess or not isinstance(model, PreTrainedModel):
+        where = "under a causal-LM name" if causal or trainer_guess else "outside transformers"
         raise ValueError(
-            f"AccumulateTrainer: {type(model).__name__}'s own loss code, under a causal-LM name: "
-            "cannot tell whether the loss predicts labels[..., 1:] (the micro-batch's weight). "
-            "Pass AccumulateTrainer(..., shift_labels=True/False)."
+            f"AccumulateTrainer: {type(model).__name__}'s own loss code, {where}: cannot tell "
+            "whether the loss predicts labels[..., 1:] (the micro-batch's weight). Pass "
+            "AccumulateTrainer(..., shift_labels=True/False)."
         )
     return False
 
