@@ -43,14 +43,15 @@ class Minimal:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.nodes = [get_gradient_edge(p).node for p in self.params]  # kept alive
         self.noted: tuple[Any, int, int, list[Any]] = (None, 0, 0, [])
-        queue = Variable._execution_engine.queue_callback
-        for node in self.nodes:
-            node.register_prehook(lambda *_: self._begin(queue))
+        queue, end = Variable._execution_engine.queue_callback, self._end
 
-    def _begin(self, queue: Callable[[Callable[[], None]], None]) -> None:
-        if self.phase == OPEN:
-            self.phase = PASS
-            queue(self._end)
+        def begin(*_: Any) -> None:  # one frame per hook call: the floor
+            if self.phase == OPEN:
+                self.phase = PASS
+                queue(end)
+
+        for node in self.nodes:
+            node.register_prehook(begin)
 
     def _end(self) -> None:
         self.micro_step += 1
@@ -98,7 +99,7 @@ def model_of(name: str) -> tuple[nn.Module, int]:
 def window(name: str, base: nn.Module, data: list[Any], k: int) -> Callable[[], None]:
     model = copy.deepcopy(base)
     inner = torch.optim.SGD(model.parameters(), lr=0.01)
-    if name == "hand":
+    if name.startswith("hand"):
         opt: Any = inner
 
         def hand() -> None:
