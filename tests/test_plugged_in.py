@@ -57,6 +57,21 @@ def gated_windows(
         ref_sched.step()
 
 
+def scheduler_every_micro_step(
+    acc: Accumulate, sched: Any, model: nn.Module, x: Any, y: Any, before: list[Any]
+) -> None:
+    """The mistake: ``sched.step()`` after every micro-step of one window of ``SIZES`` rows;
+    raises at the boundary with the window closed and the parameters as ``before``."""
+    try:
+        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+            acc.backward(mse_sum(model, xb, yb), items=len(xb))
+            acc.step()
+            sched.step()
+    finally:
+        assert acc.updates == 0 and acc.will_update
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 # ---------------------------------------------------------------- the torch.optim contract
 
 
@@ -288,12 +303,7 @@ def test_own_loop_scheduler_stepped_every_micro_step_is_refused_at_the_boundary(
     fresh = sched.state_dict()
     x, y = data(81, 8)
     with pytest.raises(RuntimeError, match="learning rate of param group 0 changed"):
-        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-            acc.backward(mse_sum(model, xb, yb), items=len(xb))
-            acc.step()
-            sched.step()  # the mistake: every micro-step
-    assert acc.updates == 0 and acc.will_update
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        scheduler_every_micro_step(acc, sched, model, x, y, before)
     sched.load_state_dict(fresh)  # the way on, as the message says
     acc.param_groups[0]["lr"] = 0.5
     acc.discard()
@@ -315,12 +325,7 @@ def test_a_tensor_learning_rate_changed_in_place_inside_the_window_is_refused(in
     sched = torch.optim.lr_scheduler.LambdaLR(acc, lambda t: 1 / (1 + t))
     x, y = data(83, 8)
     with pytest.raises(RuntimeError, match=r"param group 0 changed .*from 0\.5 to 0\.1666"):
-        for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-            acc.backward(mse_sum(model, xb, yb), items=len(xb))
-            acc.step()
-            sched.step()  # the mistake: every micro-step
-    assert acc.updates == 0 and acc.will_update
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        scheduler_every_micro_step(acc, sched, model, x, y, before)
     acc.param_groups[0]["lr"].fill_(0.5)  # set back: the window applies, exact
     acc.step()
     ref = mlp(83)
