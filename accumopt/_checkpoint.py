@@ -198,10 +198,13 @@ def load_state_dict(opt: Accumulate, state_dict: dict[str, Any]) -> None:
 def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any] | None:
     """The entry ``opt`` loads from ``state_dict`` (None: none, or a stale one, logged with
     ``warn``), checked; raises as :func:`load_state_dict`."""
-    if not isinstance(state_dict, dict):
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        got = type(state_dict).__qualname__
+        if isinstance(state_dict, dict):
+            got = f"a dict of the keys {sorted(map(str, state_dict))}"
         raise TypeError(
-            f"Accumulate.load_state_dict: got {type(state_dict).__qualname__}; expected the "
-            "dict returned by state_dict() (or by a bare torch.optim optimizer)."
+            f"Accumulate.load_state_dict: got {got}; expected the dict returned by "
+            "state_dict() (or by a bare torch.optim optimizer), with 'state' and 'param_groups'."
         )
     entry = entry_of(state_dict, opt.rank)
     if entry is None or entry.get("fingerprint") != _fingerprint(state_dict):

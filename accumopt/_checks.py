@@ -248,16 +248,30 @@ def framework_accumulating(closure: object = None) -> str | None:
     every update: refused), or None: a Lightning Trainer with ``accumulate_grad_batches > 1`` (in
     the closure it steps with), or Accelerate (the HF Trainer's) accumulating: gradient sync off,
     or ``gradient_accumulation_steps > 1`` (``accelerator.backward`` divides every loss by it)."""
-    if isinstance(closure, functools.partial) and closure.args:
-        trainer = getattr(closure.args[0], "_trainer", None)
-        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
-            return "a Lightning Trainer with accumulate_grad_batches > 1"
+    if getattr(lightning_trainer(closure), "accumulate_grad_batches", 1) != 1:
+        return "a Lightning Trainer with accumulate_grad_batches > 1"
     accelerate = sys.modules.get("accelerate.state")
     shared = {} if accelerate is None else accelerate.GradientState._shared_state
     steps = (shared.get("plugin_kwargs") or {}).get("num_steps", 1)
     if shared.get("sync_gradients", True) is False or steps > 1:
         return "Accelerate (or the HF Trainer) with gradient_accumulation_steps > 1"
     return None
+
+
+def lightning_trainer(closure: object) -> Any:
+    """The Lightning ``Trainer`` whose closure ``closure`` is (its precision plugin's partial over
+    the ``LightningModule``), or None."""
+    if isinstance(closure, functools.partial) and closure.args:
+        return getattr(closure.args[0], "_trainer", None)
+    return None
+
+
+LIGHTNING_WITHOUT_CALLBACK = (
+    "Accumulate.step: a Lightning Trainer steps this wrapper without accumopt's "
+    "AccumulateCallback, so global_step, max_steps and step schedulers count micro-batches and "
+    "windows run across epochs. Add callbacks=[AccumulateCallback()] "
+    "(accumopt.integrations.lightning); nothing was changed."
+)
 
 
 def refuse_framework(framework: str) -> str:

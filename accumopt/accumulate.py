@@ -279,6 +279,9 @@ class Accumulate(torch.optim.Optimizer):
     def _end_pass(self, before: Phase, items: float | Tensor | None) -> None:
         """The end of a backward pass (the counter's callback, or :meth:`backward`'s for one that
         reached nothing watched; ``before``: the phase it found): count, hold or break on it."""
+        if "found_inf" in self.__dict__:  # left by a scaler.step(opt) interrupted around step()
+            self.__dict__.pop("found_inf")  # (the scaler deletes them when step() returns): the
+            self.__dict__.pop("grad_scale", None)  # next one would multiply the stale scale in
         self._passes += 1
         s, group = self._state, GROUP.members
         if before is HELD and group is not None and any(m is self for m in group):
@@ -403,6 +406,8 @@ class Accumulate(torch.optim.Optimizer):
         if closure is not None:
             if self.driven_by is None and (fw := framework_accumulating(closure)):
                 raise RuntimeError(_checks.refuse_framework(fw) + " Nothing was changed.")
+            if self.driven_by is None and _checks.lightning_trainer(closure) is not None:
+                raise RuntimeError(_checks.LIGHTNING_WITHOUT_CALLBACK)
             with torch.enable_grad():
                 loss = closure()
         hooked = self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
@@ -806,17 +811,17 @@ class Accumulate(torch.optim.Optimizer):
         """Call ``hook(opt, items, synced)`` at every counted micro-step, before the wrapper
         moves or divides anything (``.grad``: the window's running sum). ``items``: its count
         (over the ranks in a window in items) or None; ``synced``: whether DDP/FSDP2 synced it."""
-        return _register(self._micro_step_hooks, hook)
+        return _register(self._micro_step_hooks, hook, "micro_step")
 
     def register_window_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(opt)`` when the window's gradient is formed in ``.grad`` (at the end of
         the closing pass, or in ``flush()``), before ``step()`` applies it."""
-        return _register(self._window_hooks, hook)
+        return _register(self._window_hooks, hook, "window")
 
     def register_update_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(opt, report)`` after each boundary, applied or skipped (``report``: the
         :attr:`last_window`), before the next window opens."""
-        return _register(self._update_hooks, hook)
+        return _register(self._update_hooks, hook, "update")
 
     def all_reduce_(self, tensors: list[Tensor]) -> None:
         """Sum ``tensors`` over the ranks of the wrapper's DDP/FSDP2 model, in place (one
@@ -896,7 +901,12 @@ def _warn_unapplied(state: State) -> None:
         )
 
 
-def _register(hooks: _Hooks, hook: Any) -> RemovableHandle:
+def _register(hooks: _Hooks, hook: Any, kind: str) -> RemovableHandle:
+    if not callable(hook):
+        raise TypeError(
+            f"Accumulate.register_{kind}_hook: hook={hook!r} is not callable; expected a "
+            "function of the arguments the method's docstring names. Nothing was registered."
+        )
     handle = RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle

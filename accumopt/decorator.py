@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from accumopt import MicroStepGroup, _tree
+from accumopt import MicroStepGroup, _tree, split
 from accumopt._checks import positive_int
 
 
@@ -50,7 +50,7 @@ def apply(
             f"apply: device_ids={list(device_ids)!r}; expected None. accumopt.apply processes "
             "every sample on `device`; for several GPUs use accumopt.parallel_backward (or DDP)."
         )
-    target = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    target = split.parse_device(device, f"apply: device={device!r}")
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)

@@ -90,7 +90,10 @@ def parallel_backward(
     mean = total / (torch.where(items > 0, items, 1.0) if isinstance(items, Tensor) else items or 1)
     if opt is not None:
         opt.backward(total, items=items)
-    else:
+    else:  # checked as Accumulate.backward checks them (a tensor count: one host read)
+        _checks.check_loss(mean, "parallel_backward")
+        if isinstance(items, Tensor):
+            _checks.check_count(items.item(), "parallel_backward: items", "the summed loss")
         mean.backward()  # type: ignore[no-untyped-call]
     return mean.detach()
 

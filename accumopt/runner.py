@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeAlias, cast
 import torch
 from torch import Tensor, nn
 
-from accumopt import _tree
+from accumopt import _tree, split
 from accumopt._checks import check_count, check_count_tensor, positive_int
 from accumopt.accumulate import Accumulate
 from accumopt.autosize import MicroBatchSizer, NoMicroBatchFits, check_search, describe_key, logger
@@ -131,7 +131,18 @@ class MicroBatchRunner:
             )
         check_search("MicroBatchRunner", "start_size", start_size, tolerance, grow_after, max_size)
         self.optimizer, self.loss_fn, self.model = optimizer, loss_fn, model
-        self.device = torch.device(device) if device is not None else None
+        where = f"MicroBatchRunner: device={device!r}"
+        self.device = None if device is None else split.parse_device(device, where)
+        if not callable(loss_fn):
+            raise TypeError(
+                f"MicroBatchRunner: loss_fn={loss_fn!r} is not callable; expected a function "
+                "of a micro-batch returning its loss (see loss_reduction)."
+            )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"MicroBatchRunner: model is a {type(model).__qualname__}; expected the "
+                "torch.nn.Module loss_fn runs (its buffers and RNG are restored after an OOM)."
+            )
         self.loss_reduction = loss_reduction
         self._fixed = None if auto else int(size)
         self._start, self._search = start_size, (tolerance, grow_after, max_size)
@@ -176,6 +187,11 @@ class MicroBatchRunner:
                 length, items from ``loss_fn``, rows that differ between ranks.
             Others propagate; with ``"auto"`` the buffers and generators are restored.
         """
+        if not isinstance(return_outputs, bool):
+            raise TypeError(
+                f"MicroBatchRunner: return_outputs={return_outputs!r} is a "
+                f"{type(return_outputs).__qualname__}; expected True or False."
+            )
         opt = self.optimizer
         opt.check_usable("MicroBatchRunner")
         if opt.will_update:

@@ -92,11 +92,12 @@ def _check_devices(devices: object) -> list[torch.device]:
         )
     if not devices:
         raise ValueError("micro_split: devices=[] is empty; expected one device at least: ['cpu'].")
-    return [_parse_device(d, k) for k, d in enumerate(devices)]
+    return [parse_device(d, f"micro_split: devices[{k}]={d!r}") for k, d in enumerate(devices)]
 
 
-def _parse_device(device: object, k: int) -> torch.device:
-    where = f"micro_split: devices[{k}]={device!r}"
+def parse_device(device: object, where: str) -> torch.device:
+    """``device`` (a str, a ``torch.device`` or an int CUDA index) as a CPU or present CUDA
+    device, else TypeError/ValueError starting with ``where`` (the argument as given)."""
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(
             f"{where} is a {type(device).__qualname__}; expected a str such as 'cuda:0', a "

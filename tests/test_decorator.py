@@ -75,6 +75,10 @@ def test_bad_calls_are_clear_errors() -> None:
         accumopt.apply(["x"], 16, device_ids=[0, 1])
     with pytest.raises(ValueError, match=r"ub_size=0"):
         accumopt.apply(["x"], 0)
+    with pytest.raises(ValueError, match=r"apply: device='foo' is not a device"):
+        accumopt.apply(["x"], 16, device="foo")
+    with pytest.raises(TypeError, match=r"apply: device=True is a bool"):
+        accumopt.apply(["x"], 16, device=True)
 
     @accumopt.apply(["x", "label"], 4)
     def train_fn(model: nn.Module, x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:

@@ -622,19 +622,28 @@ def test_lightning_callback_without_accumulate_raises() -> None:
         fit(Net(), MICRO, callbacks=[AccumulateCallback()])
 
 
-def test_lightning_accumulate_without_the_callback_raises_in_loss_over_items() -> None:
-    with pytest.raises(RuntimeError, match=r"has no AccumulateCallback"):
-        fit(Net(every=EVERY), MICRO)
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightning_accumulate_without_the_callback_is_refused_at_the_first_step(
+    manual: bool,
+) -> None:
+    """Without the callback, Lightning stepped the wrapper every batch: global_step and
+    max_steps counted micro-batches and windows ran across epochs, with only a warning at exit
+    (found by a fresh-eyes run). Refused at the first step, nothing applied."""
+    module = Net(every=EVERY, weighted=False, manual=manual)
+    before = flat(module)
+    with pytest.raises(RuntimeError, match=r"without accumopt's AccumulateCallback"):
+        fit(module, MICRO)
+    assert torch.equal(flat(module), before)
 
 
 def test_lightning_clipping_without_the_callback_is_refused_before_the_update() -> None:
-    """Without AccumulateCallback, Lightning clips each micro-step's partial sum: refused at
-    the next micro-step, the parameters untouched (weighted=False: a plain mean loss, no
-    callback needed by the module). Lightning's own accumulation without the callback is
-    refused by the core (test_lightning_own_accumulation_without_the_callback_...)."""
+    """Without AccumulateCallback, Lightning would clip each micro-step's partial sum: the
+    missing callback is refused at the first step, the parameters untouched. Lightning's own
+    accumulation without the callback is refused by the core too
+    (test_lightning_own_accumulation_without_the_callback_...)."""
     module = Net(every=EVERY, weighted=False)
     before = flat(module)
-    with pytest.raises(RuntimeError, match="clipped inside the window"):
+    with pytest.raises(RuntimeError, match="without accumopt's AccumulateCallback"):
         fit(module, MICRO, gradient_clip_val=0.01)
     assert torch.equal(flat(module), before)
 
@@ -824,3 +833,24 @@ def test_lightning_asks_a_window_schedule_that_raised_before_deciding_the_batch(
         opt.step()  # window 1 applied, then the schedule raised for window 2
     assert not integration._next_closes(opt)  # asked again (3), not the stale size 1
     assert opt.every == 3 and failed == [True]
+
+
+class SharedStep(Net):
+    """A ``validation_step`` sharing the training step's loss code (``loss_over_items``)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return loss_over_items(self, F.mse_loss(self.net(x), y, reduction="sum"), len(y))
+
+
+def test_lightning_loss_over_items_in_a_validation_step_is_the_mean() -> None:
+    """Outside training no backward pass follows: ``loss_over_items`` used to tell the wrapper
+    the next pass's items there, refused at the sanity check with a next_items message (found
+    by a fresh-eyes run). It returns the mean, and training is as without validation."""
+    x, y = data()
+    shared, plain = SharedStep(every=EVERY), Net(every=EVERY)
+    val = DataLoader(TensorDataset(x[:10], y[:10]), batch_size=5)
+    trainer = quiet_trainer([AccumulateCallback()], max_epochs=EPOCHS, val_check_interval=4)
+    trainer.fit(shared, DataLoader(TensorDataset(x, y), batch_size=MICRO), val)
+    fit(plain, MICRO, callbacks=[AccumulateCallback()])
+    assert torch.equal(flat(shared), flat(plain))

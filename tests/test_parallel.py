@@ -352,3 +352,25 @@ def test_cuda_one_device_equals_the_full_batch() -> None:
 def test_cuda_two_devices_equal_the_full_batch() -> None:
     _cuda_equivalence(["cuda:0", "cuda:1"], None)
     _cuda_equivalence(["cuda:0", "cuda:1"], [3, 1])
+
+
+@pytest.mark.parametrize("count", [-3.0, float("nan"), float("inf")])
+def test_a_bad_tensor_item_count_without_opt_is_refused_before_the_backward(count: float) -> None:
+    """Without ``opt=``, a tensor count went unchecked: -n and NaN divided by 1 (the gradient
+    n times too large), inf zeroed it, silently; a number was refused. Both are refused now."""
+    model = mlp(91)
+    x, y = data(91, 6)
+
+    def loss_fn(m: nn.Module, batch: Any) -> Any:
+        return mse_sum(m, *batch), torch.tensor(count, dtype=torch.float64)
+
+    with pytest.raises(ValueError, match="parallel_backward: items"):
+        parallel_backward(model, loss_fn, (x, y), ["cpu", "cpu"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_that_does_not_require_grad_without_opt_gets_accumopts_error() -> None:
+    model = mlp(92)
+    x, y = data(92, 6)
+    with pytest.raises(ValueError, match="parallel_backward: the loss does not require grad"):
+        parallel_backward(model, lambda m, b: mse_sum(m, *b).detach(), (x, y), ["cpu", "cpu"])

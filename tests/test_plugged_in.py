@@ -738,3 +738,40 @@ def test_max_grad_norm_set_between_steps_is_validated(bad: Any) -> None:
     assert acc.max_grad_norm == 1.0
     acc.max_grad_norm = None
     assert acc.max_grad_norm is None
+
+
+def test_scaler_attributes_left_by_an_interrupted_step_are_dropped_at_the_next_pass() -> None:
+    """GradScaler sets ``opt.grad_scale``/``opt.found_inf`` before ``opt.step()`` and deletes
+    them after it returns: a KeyboardInterrupt on step()'s first or last line left them, and
+    the next ``scaler.step(opt)`` multiplied the stale scale into its own (found by the
+    interrupt-at-every-line sweep). The next pass drops them."""
+    ref, model = twins(mlp(89))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.5), every=3, scaler=scaler)
+    x, y = data(89, 8)
+    for i, (xb, yb) in enumerate(zip(x.split(SIZES), y.split(SIZES))):
+        acc.backward(scaler.scale(mse_sum(model, xb, yb)), items=len(xb))
+        scaler.step(acc)
+        if i == 0:  # what an interrupt at `return loss` leaves: the step done, these not deleted
+            acc.grad_scale = scaler._get_scale_async()  # type: ignore[attr-defined]
+            acc.found_inf = torch.zeros(())  # type: ignore[attr-defined]
+        scaler.update()  # the loop caught the interrupt and goes on
+        acc.zero_grad()
+    assert acc.did_update
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), x, y)
+    assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("kind", ["micro_step", "window", "update"])
+def test_a_hook_that_is_not_callable_is_refused_when_registered(kind: str) -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(93).parameters(), lr=0.1), every=2)
+    with pytest.raises(TypeError, match=f"register_{kind}_hook: hook=5 is not callable"):
+        getattr(acc, f"register_{kind}_hook")(5)
+
+
+@pytest.mark.parametrize("bad", [{}, {"state": {}}, []])
+def test_load_state_dict_of_something_else_gets_accumopts_error(bad: Any) -> None:
+    acc = Accumulate(torch.optim.SGD(mlp(94).parameters(), lr=0.1), every=2)
+    with pytest.raises(TypeError, match=r"Accumulate\.load_state_dict: got"):
+        acc.load_state_dict(bad)
+    assert acc.loadable(bad) is not None

@@ -462,3 +462,37 @@ def test_runner_frees_each_micro_batch_graph_before_the_next() -> None:
         (torch.randn(20, 4, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64))
     )
     assert seen == [0, 0, 0, 0] and not mean.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"device": "foo"}, ValueError, r"MicroBatchRunner: device='foo' is not a device"),
+        ({"device": True}, TypeError, r"MicroBatchRunner: device=True is a bool"),
+        ({"device": "cuda:0"}, ValueError, r"device='cuda:0' is a CUDA device but CUDA is not"),
+        ({"loss_fn": None}, TypeError, r"MicroBatchRunner: loss_fn=None is not callable"),
+        ({"model": "x"}, TypeError, r"MicroBatchRunner: model is a str"),
+    ],
+)
+def test_runner_arguments_get_accumopts_errors(kwargs: dict, error: type, match: str) -> None:
+    """Bad arguments reached the user as torch's errors at call time (or never: a device
+    string torch cannot parse, an absent CUDA device, a loss_fn that is None)."""
+    if "cuda" in str(kwargs.get("device")) and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    model = nn.Linear(3, 1)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=4)
+    args = {"loss_fn": lambda b: model(b).pow(2).mean(), "loss_reduction": "mean", **kwargs}
+    loss_fn = args.pop("loss_fn")
+    with pytest.raises(error, match=match):
+        MicroBatchRunner(opt, loss_fn, micro_batch_size=2, **args)
+
+
+def test_runner_return_outputs_must_be_a_bool() -> None:
+    model = nn.Linear(3, 1)
+    opt = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1), every_items=4)
+    runner = MicroBatchRunner(
+        opt, lambda b: model(b).pow(2).mean(), micro_batch_size=2, loss_reduction="mean"
+    )
+    with pytest.raises(TypeError, match=r"return_outputs='no' is a str; expected True or False"):
+        runner(torch.randn(4, 3), return_outputs="no")  # type: ignore[arg-type]
+    assert opt.micro_step == 0 and all(p.grad is None for p in model.parameters())

@@ -28,8 +28,11 @@ def loss_over_items(
 ) -> Tensor:
     """The loss to backward for a micro-batch whose 0-dim summed loss covers ``items`` items
     (this rank's): with an ``Accumulate`` (``optimizer``, where the module has several)
-    ``opt.next_items(items)`` and ``loss_sum``; else the mean. ValueError: several optimizers,
-    no ``optimizer``; bad ``items``. RuntimeError: no callback; ``next_items`` refused."""
+    ``opt.next_items(items)`` and ``loss_sum``; else, and outside training (a ``validation_step``
+    sharing the code: no backward pass follows), the mean. ValueError: several optimizers, no
+    ``optimizer``; bad ``items``. RuntimeError: no callback; ``next_items`` refused."""
+    if not module.trainer.training or not torch.is_grad_enabled():
+        return loss_sum / items
     if optimizer is None:
         optimizer = module.optimizers(use_pl_optimizer=False)
         if isinstance(optimizer, list):
@@ -74,6 +77,7 @@ class AccumulateCallback(pl.Callback):
         count_at = "outputs" if pl_module.automatic_optimization else "parameters"
         for acc in self._accs:
             acc.reattach()  # returned again after an earlier fit released it
+            acc.driven_by = "AccumulateCallback"  # the Trainer's steps go through this callback
             if isinstance(model, DistributedDataParallel) and acc.model is not model:
                 acc.set_model(model, count_at=count_at)
             _keep_out_of_grad(acc)  # left open by a fit that raised; or restored after this:
@@ -100,6 +104,7 @@ class AccumulateCallback(pl.Callback):
             obj.__dict__.pop(name, None)
         for acc in self._accs:
             acc.release()  # stops counting: another fit's passes are not its own
+            acc.driven_by = None
         for handle in self._handles:
             handle.remove()
         self._undo, self._handles, self._trainer = [], [], None
