@@ -273,6 +273,14 @@ def check(opt: Accumulate, state_dict: Any, warn: bool = False) -> dict[str, Any
                 f"{i}, this optimizer has {have}; expected the model, parameter groups and "
                 f"sharding it was saved with. {_UNCHANGED}"
             )
+    for i, tensor in entry["grads"].items():  # .grad takes its parameter's dtype only
+        if tensor.dtype != params[i].dtype:
+            raise ValueError(
+                f"{_LOAD} window holds a {tensor.dtype} gradient for parameter {i}, which is "
+                f"{params[i].dtype} here; expected the model in the dtype it was saved in "
+                f"(model.to(dtype) after the load), or a checkpoint saved at a boundary. "
+                f"{_UNCHANGED}"
+            )
     return entry
 
 

@@ -775,3 +775,23 @@ def test_load_state_dict_of_something_else_gets_accumopts_error(bad: Any) -> Non
     with pytest.raises(TypeError, match=r"Accumulate\.load_state_dict: got"):
         acc.load_state_dict(bad)
     assert acc.loadable(bad) is not None
+
+
+def test_a_mid_window_checkpoint_of_another_dtype_is_refused_before_anything_changes() -> None:
+    """A float64 model's open window loaded into the model in float32: loadable() said yes, and
+    the load raised torch's dtype error after the inner optimizer's state was replaced (the
+    wrapper BROKEN with no reason). It is refused first, nothing changed."""
+    model = mlp(95)
+    acc = Accumulate(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), every=3)
+    windows(acc, model, seed=95, n=1)
+    x, y = data(96, 3)
+    acc.backward(mse_sum(model, x, y), items=3)
+    saved = copy.deepcopy(acc.state_dict())
+    acc.discard()
+    model.float()
+    state_before = copy.deepcopy(acc.optimizer.state_dict())
+    assert "float64 gradient for parameter 0" in (acc.loadable(saved) or "")
+    with pytest.raises(ValueError, match=r"holds a torch\.float64 gradient for parameter 0"):
+        acc.load_state_dict(saved)
+    assert acc.optimizer.state_dict()["state"].keys() == state_before["state"].keys()
+    assert acc.micro_step == 0 and acc.phase.value == "open"
