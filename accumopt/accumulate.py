@@ -47,8 +47,9 @@ _ROUTING = _FAILED.format("enable_rollback()")
 _IN_HOOK = "a micro-step hook is running (hooks read the wrapper; they do not call into it)"
 _WIPED = "the window's .grad was cleared or replaced outside the wrapper (see the error then)"
 STEPPED_DIRECTLY = (
-    "Accumulate: the inner {name} was stepped directly on a partial window; it was not stepped. "
-    "Call opt.step() on the wrapper, or drop the wrapper (del opt) to step the optimizer yourself."
+    "Accumulate: the inner {name} was stepped directly inside the wrapper's window; it was not "
+    "stepped. Call opt.step() on the wrapper, or drop the wrapper (del opt) to step the "
+    "optimizer yourself."
 )
 _GROUP_ITEMS = (
     "Accumulate: a pass of an accumopt.MicroStepGroup (accumopt.apply) came with an item count; "
