@@ -33,7 +33,8 @@ class NoiseScale:
     MIN_MICRO_STEPS = 16
 
     def __init__(self, decay: float | None = 0.95, every_windows: int | None = None) -> None:
-        if decay is not None and not (isinstance(decay, float | int) and 0 <= decay < 1):
+        real = isinstance(decay, float | int) and not isinstance(decay, bool)
+        if decay is not None and not (real and 0 <= decay < 1):
             raise ValueError(
                 f"NoiseScale: decay={decay!r} is not in [0, 1); expected the EMA decay per "
                 "window (e.g. 0.95), or None for the plain mean over all windows."

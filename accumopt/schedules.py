@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _Fn = Callable[[int, float], Any]
+
+
+def _real(api: str, name: str, value: object, kind: type = numbers.Real) -> Any:
+    """``value`` if a finite real number (an int with ``kind=int``), else TypeError/ValueError
+    naming ``api`` and ``name`` (a bool or a numeric string is not taken as a number)."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        expected = "an int" if kind is int else "a finite real number"
+        raise TypeError(
+            f"{api}: {name}={value!r} is a {type(value).__qualname__}; expected {expected}."
+        )
+    if not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{api}: {name}={value!r} is not finite; expected a finite real number.")
+    return value
 
 
 class Schedule:
@@ -55,7 +69,14 @@ class LinearRamp(Schedule):
                 f"LinearRamp: got over_updates={over_updates!r} and over_items={over_items!r}; "
                 "expected exactly one, > 0 (how long the ramp lasts)."
             )
-        over = float(over_updates if over_updates is not None else over_items)  # type: ignore[arg-type]
+        for name, value in [("start", start), ("end", end), ("increment", increment)]:
+            _real("LinearRamp", name, value)
+        given = (
+            ("over_updates", over_updates)
+            if over_updates is not None
+            else ("over_items", over_items)
+        )
+        over = float(_real("LinearRamp", *given))
         if not (over > 0 and start > 0 and end > 0 and increment > 0):
             values = f"start={start!r}, end={end!r}, increment={increment!r}, over={over!r}"
             raise ValueError(f"LinearRamp: {values}; expected all > 0.")
@@ -87,7 +108,19 @@ class StepSchedule(Schedule):
     ) -> None:
         if by not in ("items", "updates"):
             raise ValueError(f"StepSchedule: by={by!r}; expected 'items' or 'updates'.")
-        steps = [(float(t), float(v)) for t, v in steps]
+        if not _real("StepSchedule", "per_micro_step", per_micro_step) > 0:
+            raise ValueError(f"StepSchedule: per_micro_step={per_micro_step!r}; expected > 0.")
+        if isinstance(steps, str | bytes) or not all(
+            isinstance(step, Sequence) and len(step) == 2 for step in steps
+        ):
+            raise TypeError(
+                f"StepSchedule: steps={steps!r}; expected (threshold, size) pairs, e.g. "
+                "[(0, 768), (250e9, 1536)] (StepSchedule.parse reads them from a string)."
+            )
+        steps = [
+            (float(_real("StepSchedule", "threshold", t)), float(_real("StepSchedule", "size", v)))
+            for t, v in steps
+        ]
         thresholds = [t for t, _ in steps]
         if not steps or thresholds[0] != 0 or thresholds != sorted(set(thresholds)):
             raise ValueError(
@@ -111,7 +144,9 @@ class StepSchedule(Schedule):
         thresholds with an optional K/M/B (or G)/T suffix (10^3 .. 10^12); ValueError else."""
         steps = []
         for part in re.split(r"[\s,]+", text.strip()):
-            match = re.fullmatch(r"([0-9.]+(?:E[+-]?[0-9]+)?)([KMBGT]?):([0-9.]+)", part.upper())
+            number = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)"
+            pattern = rf"({number}(?:E[+-]?[0-9]+)?)([KMBGT]?):({number})"
+            match = re.fullmatch(pattern, part.upper())
             if match is None:
                 raise ValueError(
                     f"StepSchedule.parse: {part!r} in {text!r} is not threshold:size; expected "
@@ -146,6 +181,11 @@ class AdaptiveBatch(Schedule):
         warmup: int = 10,
         every_updates: int = 1,
     ) -> None:
+        for name, value in [("minimum", minimum), ("maximum", maximum), ("fraction", fraction)]:
+            _real("AdaptiveBatch", name, value)
+        _real("AdaptiveBatch", "growth", growth)
+        _real("AdaptiveBatch", "warmup", warmup, int)
+        _real("AdaptiveBatch", "every_updates", every_updates, int)
         if not (0 < minimum <= maximum and fraction > 0 and growth > 1 and every_updates >= 1):
             raise ValueError(
                 f"AdaptiveBatch: minimum={minimum!r}, maximum={maximum!r}, growth={growth!r}, "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from accumopt import Accumulate, MicroBatchRunner, Phase
+from accumopt.noise import NoiseScale
 from accumopt.schedules import AdaptiveBatch, LinearRamp, Schedule, StepSchedule
 
 OPTS = ["sgd", "adamw"]
@@ -437,3 +440,27 @@ def test_step_schedule_repr_parses_back_for_any_threshold() -> None:
         schedule = StepSchedule(steps)
         again = eval(repr(schedule), {"StepSchedule": StepSchedule})
         assert again.steps == schedule.steps
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda: LinearRamp("a", 8, over_updates=10), TypeError, r"LinearRamp: start='a' is a str"),
+        (lambda: LinearRamp(1, math.inf, over_updates=10), ValueError, r"end=inf is not finite"),
+        (lambda: LinearRamp(1, 8, over_updates="10"), TypeError, r"over_updates='10' is a str"),
+        (lambda: StepSchedule([(0, 8)], per_micro_step=0), ValueError, r"per_micro_step=0"),
+        (lambda: StepSchedule([(0, 8), (math.nan, 16)]), ValueError, r"threshold=nan"),
+        (lambda: StepSchedule([0, 8]), TypeError, r"steps=\[0, 8\]; expected \(threshold"),
+        (lambda: StepSchedule.parse("1.2.3:16"), ValueError, r"'1.2.3:16' .* is not threshold"),
+        (lambda: AdaptiveBatch("a", 8), TypeError, r"AdaptiveBatch: minimum='a' is a str"),
+        (lambda: AdaptiveBatch(1, 8, warmup=1.5), TypeError, r"warmup=1.5 is a float"),
+        (lambda: NoiseScale(decay=False), ValueError, r"NoiseScale: decay=False"),
+    ],
+)
+def test_schedule_arguments_that_are_not_numbers_get_accumopts_errors(
+    build: Any, error: type, match: str
+) -> None:
+    """A string, a bool, NaN or inf raised Python's own errors (a NaN threshold and
+    over_updates='10' were even accepted); each gets the schedule's own message now."""
+    with pytest.raises(error, match=match):
+        build()
