@@ -178,8 +178,8 @@ def test_no_caller_frame_is_read_and_no_class_is_swapped() -> None:
 # and accumopt's own errors at entries that reached users as raw ones (the runner's device,
 # loss_fn, model and return_outputs; apply's device; hooks; load_state_dict), and
 # loss_over_items outside training, a checkpoint of another dtype, a rewrapped message, the
-# schedules' number checks: 6,951 + 158.
-BUDGET = 7_109
+# schedules' number checks, an HF stream ending inside a window: 6,951 + 165.
+BUDGET = 7_116
 
 
 def test_the_package_stays_within_its_line_budget() -> None:

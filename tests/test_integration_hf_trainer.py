@@ -1093,3 +1093,23 @@ def test_hf_trainer_ignores_a_window_file_without_accumopt_state_beside_it(
     with caplog.at_level(logging.WARNING, logger="accumopt"):
         assert hf_trainer._resume_window(opt, str(tmp_path), 0, "cpu", lambda: None) is None
     assert "no optimizer.pt with accumopt's state" in caplog.text
+
+
+def test_hf_trainer_refuses_a_stream_that_ends_inside_a_window() -> None:
+    """An IterableDataset of 21 rows (11 micro-batches of 2, windows of 4): the Trainer does not
+    step the 3 micro-batches at its end; the wrapper carried them into the next epoch and
+    refused there with the core's "window closed ... step()" message (found by a fresh-eyes
+    run). Refused when the short window is fetched, before any of it runs."""
+    rows = sequences(SAMPLES)
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Iterator[Any]:
+            return iter(rows)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = gpt2()
+        trainer = accumulate_trainer(tmp, model, rows, max_steps=5)
+        trainer.train_dataset = Stream()
+        with pytest.raises(RuntimeError, match=r"ended 3 micro-batch\(es\) into a window of 4"):
+            trainer.train()
+    assert trainer.accumulate.updates == 2 and trainer.accumulate.micro_step == 0

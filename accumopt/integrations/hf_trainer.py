@@ -222,6 +222,13 @@ class AccumulateTrainer(Trainer):
             opt.load_state_dict(reload)
             self._skip = opt.micro_step
         batches = list(itertools.islice(epoch_iterator, num_batches))
+        if 0 < len(batches) < num_batches:  # a stream that ended: the Trainer steps no window
+            raise RuntimeError(  # that falls short of what it asked for (a sized one, it does)
+                f"AccumulateTrainer: the training data ended {len(batches)} micro-batch(es) into "
+                f"a window of {num_batches} (an IterableDataset), which the Trainer does not "
+                "step; nothing of it was run. Make the stream's length a multiple of "
+                "per_device_train_batch_size x gradient_accumulation_steps, or use a sized dataset."
+            )
         if reload is not None:  # the saved RNG state follows the window's fetch (the Trainer
             self._load_rng_state(self._resumed_from)  # restores it before an epoch's first)
         self._window_items = float(sum(self.count_items(b) for b in batches[self._skip :]))
