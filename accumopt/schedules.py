@@ -181,9 +181,9 @@ class AdaptiveBatch(Schedule):
         warmup: int = 10,
         every_updates: int = 1,
     ) -> None:
-        for name, value in [("minimum", minimum), ("maximum", maximum), ("fraction", fraction)]:
+        reals = {"minimum": minimum, "maximum": maximum, "fraction": fraction, "growth": growth}
+        for name, value in reals.items():
             _real("AdaptiveBatch", name, value)
-        _real("AdaptiveBatch", "growth", growth)
         _real("AdaptiveBatch", "warmup", warmup, int)
         _real("AdaptiveBatch", "every_updates", every_updates, int)
         if not (0 < minimum <= maximum and fraction > 0 and growth > 1 and every_updates >= 1):

@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
@@ -305,6 +305,22 @@ class CharModel(GPT2LMHeadModel):  # type: ignore[misc]
     """GPT-2 under a name without a loss type: transformers falls back to ForCausalLMLoss."""
 
 
+def refused_until_told(
+    tmp: str, make: Callable[[], nn.Module], data: list[Any], refusal: str, shift: bool
+) -> float:
+    """Train ``make()`` with AccumulateTrainer: refused (``refusal``) before any update, then
+    told ``shift_labels=shift``; returns that run's distance to the full-batch Trainer's."""
+    refused = accumulate_trainer(tmp, make(), data, num_train_epochs=1)
+    with pytest.raises(ValueError, match=refusal):
+        refused.train()
+    assert refused.accumulate.updates == 0
+    reference = run_full(tmp, make(), data, num_train_epochs=1)
+    told = accumulate_trainer(tmp, make(), data, num_train_epochs=1)
+    told.shift_labels = shift
+    told.train()
+    return rel(told.model, reference.model, flat(make()))
+
+
 def test_hf_trainer_reads_the_label_shift_from_the_loss_the_model_computes() -> None:
     """Whether labels[..., 1:] are counted came from the class name: XLNetLMHeadModel (and
     XLMWithLMHeadModel, TrOCRForCausalLM), whose own loss code does not shift, were weighted
@@ -313,19 +329,12 @@ def test_hf_trainer_reads_the_label_shift_from_the_loss_the_model_computes() -> 
     shifts); one with its own loss code under a causal-LM name is refused until told."""
     data = sequences(SAMPLES)
     with tempfile.TemporaryDirectory() as tmp:
-        refused = accumulate_trainer(tmp, xlnet(), data, num_train_epochs=1)
-        with pytest.raises(ValueError, match="cannot tell whether the loss"):
-            refused.train()
-        assert refused.accumulate.updates == 0
-        reference = run_full(tmp, xlnet(), data, num_train_epochs=1)
-        told = accumulate_trainer(tmp, xlnet(), data, num_train_epochs=1)
-        told.shift_labels = False
-        told.train()
+        told = refused_until_told(tmp, xlnet, data, "cannot tell whether the loss", False)
         renamed = gpt2()
         renamed.__class__ = CharModel
         del renamed._loss_function, renamed.loss_type  # transformers' own loss, none by name
         shifts = accumulate_trainer(tmp, renamed, data, max_steps=1)._shifts()
-    assert rel(told.model, reference.model, flat(xlnet())) <= 1e-12
+    assert told <= 1e-12
     assert shifts
 
 
@@ -344,17 +353,10 @@ def test_hf_trainer_refuses_per_token_labels_of_a_model_outside_transformers() -
     """A model that is not a PreTrainedModel (a wrapper around one, a nanoGPT-style module)
     was taken as not shifting its labels: a wrapped GPT-2 was weighted by one token per row too
     many, silently (1.65e-3 on an 8e-2 step). It is refused until told, then exact."""
-    data = sequences(SAMPLES)
     with tempfile.TemporaryDirectory() as tmp:
-        refused = accumulate_trainer(tmp, Wrapped(), data, num_train_epochs=1)
-        with pytest.raises(ValueError, match="Wrapped's own loss code, outside transformers"):
-            refused.train()
-        assert refused.accumulate.updates == 0
-        reference = run_full(tmp, Wrapped(), data, num_train_epochs=1)
-        told = accumulate_trainer(tmp, Wrapped(), data, num_train_epochs=1)
-        told.shift_labels = True
-        told.train()
-    assert rel(told.model, reference.model, flat(Wrapped())) <= 1e-6
+        refusal = "Wrapped's own loss code, outside transformers"
+        told = refused_until_told(tmp, Wrapped, sequences(SAMPLES), refusal, True)
+    assert told <= 1e-6
 
 
 def test_hf_trainer_micro_batch_without_tokens_adds_nothing() -> None:
